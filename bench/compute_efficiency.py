@@ -1,0 +1,198 @@
+"""How close the update phase gets to this machine's matmul peak, in fp32 and under bf16 autocast.
+
+Part 1 measures matmul throughput here, fp32 and bf16 interleaved in one run: a square 2048^3 product and the model's own
+shapes at the update's token count (tokens x 576 @ 576 x 1536 for gate/up, tokens x 1536 @ 1536 x 576 for down,
+tokens x 576 @ 576 x 576 for the attention projections, and a 1024-row chunk of the 576 x 49152 output head). The peak of a
+dtype is its best shape. Each number is a median of `--repeats` timings of a loop lasting >= 0.3 s.
+
+Part 2 samples one rollout with the fixed config (SmolLM2-135M-Instruct + LoRA r=16 on all seven projections, G=8 x 8 prompts,
+48 new tokens, beta=0.04, no token selection, prompt sharing on) and times the trainer's `update` on it with
+`autocast_bf16` off and on, interleaved, each from the same initial LoRA weights and a fresh AdamW.
+
+FLOP count of the update phase (multiply-add = 2 FLOPs; counted on the padded tensors the model actually computes):
+- tokens through the decoder body per pass: with prompt sharing, (N/G) x P for the prompts plus N x (T-1) for the
+  completions; without, N x (P + T). N rows, P prompt width, T completion width.
+- linear layers, forward: 2 x (base linear weights + LoRA A/B weights of the 30 layers) per token (embedding excluded:
+  it is a lookup). The reference pass (adapter off) uses the base weights only.
+- attention scores and values, forward: 4 x d_model x context per query token per layer, context = the full key length
+  (the masked kernels compute the whole rectangle, not the causal half).
+- output head: 2 x 576 x 49152 per completion position (N x T), every pass.
+- backward: base weights are frozen under LoRA, so linear layers need only activation gradients (1 x their forward);
+  LoRA weights need activation and weight gradients (2 x); attention backward is 2 x its forward; the head is recomputed
+  (checkpointed chunks) and back-propagated to its input: 2 x its forward.
+- update phase = reference forward + policy forward + backward. The conventional count (backward = 2 x forward, as for
+  full fine-tuning) is reported beside it for comparison with MFU figures elsewhere.
+Achieved FLOP/s = FLOPs / wall-clock of the update phase (ref + update); its fraction of the measured peak of the dtype
+the matmuls ran in (fp32, or bf16 under autocast) is the efficiency.
+
+    python bench/compute_efficiency.py             # full: about 6 min on 2 cores
+    python bench/compute_efficiency.py --quick     # tiny random model and small matmuls, seconds
+"""
+import argparse, dataclasses, math, sys, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+
+
+def time_matmul(a, b, min_s: float = 0.3) -> float:
+    "Seconds per a @ b, from a loop lasting at least `min_s` (one warm-up call first)."
+    import torch
+    torch.matmul(a, b)
+    t0 = time.perf_counter(); torch.matmul(a, b); one = time.perf_counter() - t0
+    n = max(1, math.ceil(min_s / max(one, 1e-6)))
+    t0 = time.perf_counter()
+    for _ in range(n): torch.matmul(a, b)
+    return (time.perf_counter() - t0) / n
+
+
+def matmul_bench(shapes: dict, repeats: int) -> dict:
+    "{shape name: {dtype: spread of GFLOP/s}} with fp32 and bf16 interleaved."
+    import torch
+    out = {k: {"fp32": [], "bf16": []} for k in shapes}
+    data = {}
+    for k, (m, kk, n) in shapes.items():
+        a, b = torch.randn(m, kk), torch.randn(kk, n)
+        data[k] = {"fp32": (a, b), "bf16": (a.bfloat16(), b.bfloat16())}
+    for r, (k, dt) in bl.interleaved([(k, dt) for k in shapes for dt in ("fp32", "bf16")], repeats):
+        m, kk, n = shapes[k]
+        t = time_matmul(*data[k][dt])
+        out[k][dt].append(2 * m * kk * n / t / 1e9)
+    return {k: {dt: bl.spread(v) for dt, v in d.items()} for k, d in out.items()}
+
+
+def param_counts(model) -> dict:
+    "Weights of the decoder's linear layers (base and LoRA), the head, and the model's dimensions."
+    cfg = model.config
+    base = lora = 0
+    for n, p in model.named_parameters():
+        if p.dim() != 2 or "embed_tokens" in n or "lm_head" in n: continue
+        if "lora_" in n: lora += p.numel()
+        else: base += p.numel()
+    head = model.get_output_embeddings().weight
+    return {"base_linear": base, "lora": lora, "head": head.numel(), "d_model": cfg.hidden_size, "vocab": head.shape[0],
+            "layers": cfg.num_hidden_layers, "total_params": sum(p.numel() for p in model.parameters())}
+
+
+def update_flops(pc: dict, rows: int, group: int, P: int, T: int, share: bool, beta: bool) -> dict:
+    "FLOPs of one update phase (see the module docstring), split into parts, plus the conventional 3x-forward count."
+    L, d = pc["layers"], pc["d_model"]
+    if share:
+        body_tokens = rows // group * P + rows * (T - 1)
+        attn_ctx = rows // group * P * P + rows * (T - 1) * (P + T - 1)     # sum over query tokens of key length
+    else:
+        body_tokens = rows * (P + T)
+        attn_ctx = rows * (P + T) * (P + T)
+    head_pos = rows * T
+    lin_base, lin_lora = 2 * pc["base_linear"] * body_tokens, 2 * pc["lora"] * body_tokens
+    attn = 4 * d * attn_ctx * L
+    head = 2 * pc["head"] * head_pos
+    ref_fwd = (lin_base + attn + head) if beta else 0
+    pol_fwd = lin_base + lin_lora + attn + head
+    bwd = lin_base + 2 * lin_lora + 2 * attn + 2 * head
+    total = ref_fwd + pol_fwd + bwd
+    return {"body_tokens": body_tokens, "head_positions": head_pos, "ref_forward": ref_fwd, "policy_forward": pol_fwd,
+            "backward": bwd, "total": total, "conventional_total": ref_fwd + 3 * pol_fwd,
+            "parts_forward": {"linear_base": lin_base, "linear_lora": lin_lora, "attention": attn, "head": head}}
+
+
+def main(argv=None):
+    ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    ap.add_argument("--repeats", type=int, default=None, help="timings per matmul shape and per update arm (default 3; --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded update rounds first")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    args = ap.parse_args(argv)
+    bl.set_threads(args.threads)
+    meta = bl.start_meta()
+    import torch
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.config import load_config
+    from mmrgrpo.data import task_source, tasks_for_step
+    from mmrgrpo.models import load_policy, trainable_parameters
+    from mmrgrpo.rewards import get_reward_funcs
+    from mmrgrpo.advantages import group_advantages
+    repeats = args.repeats or (2 if args.quick else 3)
+    c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
+                                               output_dir="runs/bench_compute", threads=args.threads))
+    # ---- part 2's rollout first, so the matmul shapes can use its token count
+    model, tok = load_policy(c)
+    backend = tr.HFBackend(model, tok, c.max_prompt_length)
+    records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
+    prompts = [tr.build_prompt(tok, c, r["question"], c.task) for r in records]
+    ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=tr.step_seed(c.seed, 0))
+    rewards, _ = tr.score(ro, records, get_reward_funcs(c.reward_funcs), c)
+    adv = group_advantages(rewards, ro.group_size, scale=c.scale_rewards)
+    N, T = ro.completion_ids.shape
+    P = ro.prompt_ids.shape[1]
+    pc = param_counts(model)
+    share = tr._share(c, ro, c.micro_batch_size or N) > 1
+    flops = update_flops(pc, N, ro.group_size, P, T, share, bool(c.beta_))
+
+    # ---- part 1: matmul peaks
+    tokens = 256 if args.quick else flops["body_tokens"]
+    sq = 256 if args.quick else 2048
+    d, f, V = (64, 128, pc["vocab"]) if args.quick else (576, 1536, pc["vocab"])
+    shapes = {f"square {sq}^3": (sq, sq, sq), f"{tokens}x{d} @ {d}x{f} (gate/up)": (tokens, d, f),
+              f"{tokens}x{f} @ {f}x{d} (down)": (tokens, f, d), f"{tokens}x{d} @ {d}x{d} (q/o)": (tokens, d, d),
+              f"1024x{d} @ {d}x{V} (head chunk)": (1024, d, V)}
+    print(f"matmul throughput, fp32 and bf16 interleaved, {repeats} repeats, threads={torch.get_num_threads()}, "
+          f"CPU flags {bl.cpu_flags()}")
+    mm = matmul_bench(shapes, repeats)
+    mm_rows = [{"shape": k, "fp32_GFLOPs": v["fp32"]["median"], "bf16_GFLOPs": v["bf16"]["median"],
+                "bf16/fp32": v["bf16"]["median"] / v["fp32"]["median"]} for k, v in mm.items()]
+    print(bl.table(mm_rows, ["shape", "fp32_GFLOPs", "bf16_GFLOPs", "bf16/fp32"],
+                   {"fp32_GFLOPs": ".1f", "bf16_GFLOPs": ".1f", "bf16/fp32": ".2f"}))
+    peak = {dt: max(v[dt]["median"] for v in mm.values()) for dt in ("fp32", "bf16")}
+    print(f"peak (best shape): fp32 {peak['fp32']:.1f} GFLOP/s, bf16 {peak['bf16']:.1f} GFLOP/s")
+
+    # ---- part 2: the update phase, fp32 vs bf16 autocast
+    params = trainable_parameters(model)
+    init = {n: p.detach().clone() for n, p in params.items()}
+    arms = {"fp32": dataclasses.replace(c, autocast_bf16=False), "bf16 autocast": dataclasses.replace(c, autocast_bf16=True)}
+    raw = {k: [] for k in arms}
+    for rep, name in bl.interleaved(list(arms), args.warmup + repeats):
+        with torch.no_grad():
+            for n, p in params.items(): p.copy_(init[n])
+        opt = torch.optim.AdamW(list(params.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
+        ph = tr.Phases()
+        t0 = time.perf_counter()
+        m = tr.update(model, opt, ro, adv, arms[name], None, ph, {})
+        total = time.perf_counter() - t0
+        print(f"  {'warm-up' if rep < args.warmup else f'round {rep - args.warmup + 1}'} {name:14s} {total:6.2f}s  " +
+              " ".join(f"{k}={v:.2f}" for k, v in ph.t.items()), flush=True)
+        if rep >= args.warmup:
+            raw[name].append({"total": total, **{f"time/{k}": v for k, v in ph.t.items()}, "loss": m["loss"]})
+    upd_rows = []
+    for name, xs in raw.items():
+        t = bl.median([x["total"] for x in xs])
+        t_ref = bl.median([x.get("time/ref", 0.0) for x in xs])
+        t_pol = bl.median([x.get("time/update", 0.0) for x in xs])
+        dt = "bf16" if "bf16" in name else "fp32"
+        ach = flops["total"] / t
+        upd_rows.append({"arm": name, "update_phase_s": t, "ref_s": t_ref, "policy_s": t_pol,
+                         "GFLOPs_achieved": ach / 1e9, "frac_of_own_peak": ach / (peak[dt] * 1e9),
+                         "frac_of_fp32_peak": ach / (peak["fp32"] * 1e9),
+                         "ref_GFLOPs": flops["ref_forward"] / t_ref / 1e9 if t_ref else None,
+                         "policy_GFLOPs": (flops["policy_forward"] + flops["backward"]) / t_pol / 1e9 if t_pol else None,
+                         "conventional_frac_of_own_peak": flops["conventional_total"] / t / (peak[dt] * 1e9)})
+    upd_rows[1]["time_ratio_vs_fp32"] = upd_rows[1]["update_phase_s"] / upd_rows[0]["update_phase_s"]
+    print(f"\nupdate phase on {N} completions (prompt width {P}, completion width {T}, prompt sharing {share}, beta {c.beta_}): "
+          f"{flops['total'] / 1e12:.3f} TFLOP counted ({flops['conventional_total'] / 1e12:.3f} conventional)")
+    print(bl.table(upd_rows, ["arm", "update_phase_s", "ref_s", "policy_s", "GFLOPs_achieved", "frac_of_own_peak",
+                              "frac_of_fp32_peak", "ref_GFLOPs", "policy_GFLOPs"],
+                   {"update_phase_s": ".2f", "ref_s": ".2f", "policy_s": ".2f", "GFLOPs_achieved": ".1f",
+                    "frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%", "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
+    print(f"bf16 autocast / fp32 update time: {upd_rows[1]['time_ratio_vs_fp32']:.2f}")
+    out = {"name": "compute_efficiency", "quick": args.quick, "config": dataclasses.asdict(c), "repeats": repeats,
+           "matmul": {"shapes": {k: list(v) for k, v in shapes.items()}, "gflops": mm, "peak_gflops": peak},
+           "model": pc, "rollout": {"rows": N, "prompt_width": P, "completion_width": T, "prompt_sharing": share,
+                                    "valid_tokens": int(ro.completion_mask.sum())},
+           "update_flops": flops, "update": upd_rows, "raw": raw,
+           "flop_formula": __doc__[__doc__.index("FLOP count"):__doc__.index("    python bench")].strip(),
+           "meta": bl.finish_meta(meta)}
+    p = bl.write_json(Path(args.out) if args.out else bl.result_path("compute_efficiency", args.quick), out)
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Step time and peak memory of mmrgrpo against TRL's GRPOTrainer on the same GRPO configuration, on CPU.
+
+Both sides train the same model folder (`mmrgrpo.models.resolve_model("smollm2")`: SmolLM2-135M-Instruct dequantised once
+to a plain safetensors folder; TRL refuses GGUF-quantised models) with the same settings: LoRA r=16, alpha=32, dropout 0 on
+q/k/v/o/gate/up/down; G=8 completions for each of 8 prompts per step, all 64 in one forward/backward pass (TRL:
+per_device_train_batch_size=64, gradient_accumulation_steps=1); 48 new tokens, temperature 1, top_p 1, top_k 0; loss_type
+grpo, beta 0.04 (reference = base model with the adapter off), eps 0.2, group-scaled advantages, one iteration per batch;
+AdamW lr 1e-4 constant, grad-norm clip 1; fp32, no gradient checkpointing (TRL's defaults bf16=True and
+gradient_checkpointing=True are switched off); rewards accuracy (weight 1) and format (0.2), the same Python functions (they
+use TRL's reward signature). The prompts are the same strings: mmrgrpo's chat prompts for the tasks of steps 0..S-1 of
+arithmetic level 2 (TRL with shuffle_dataset=False reads them in that order). Differences that stay: mmrgrpo runs each
+group's prompt once in the update (prompt sharing, on by default) and computes log-probs in chunks; TRL materialises the
+full logits. Set --ours-set share_prompt=false to compare without prompt sharing.
+
+Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...). Step
+time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
+on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step). The
+first step of each run is a warm-up and is left out of the medians.
+
+    pip install trl==1.16.0                       # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
+    python bench/trl_compare.py                   # full: 2 runs per arm x 4 steps, about 15 min on 2 cores
+    python bench/trl_compare.py --quick           # a tiny random model saved to a temp folder, about 1 min
+"""
+import argparse, json, os, subprocess, sys, tempfile, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def shared_config(quick: bool, model_path: str, steps: int, threads: int) -> dict:
+    base = bl.QUICK_CONFIG if quick else bl.BENCH_CONFIG
+    return dict(base, model=model_path, steps=steps, threads=threads, lora_r=16, lora_alpha=32, lora_dropout=0.0,
+                lora_target_modules=LORA_TARGETS, temperature=1.0, top_p=1.0, eps_low=0.2, eps_high=0.2,
+                scale_rewards="group", num_iterations=1, learning_rate=1e-4, warmup_steps=0, weight_decay=0.0,
+                max_grad_norm=1.0, micro_batch_size=0, autocast_bf16=False, gradient_checkpointing=False,
+                reward_funcs=["accuracy", "format"], reward_weights=[1.0, 0.2])
+
+
+def prompts_and_answers(c) -> list:
+    "The (prompt, answer) of every prompt mmrgrpo's trainer uses in steps 0..steps-1, in order."
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.data import task_source, tasks_for_step
+    from mmrgrpo.models import load_tokenizer
+    tok = load_tokenizer(c.model)
+    src = task_source(c.task, seed=c.seed)
+    recs = [r for s in range(c.steps) for r in tasks_for_step(src, s, c.prompts_per_step, c.seed)]
+    return [(tr.build_prompt(tok, c, r["question"], c.task), r["answer"]) for r in recs]
+
+
+def worker_ours(cfg: dict, extra: list) -> dict:
+    import torch
+    from mmrgrpo.config import load_config
+    import mmrgrpo.trainer as tr
+    with tempfile.TemporaryDirectory() as d:
+        c = load_config(overrides=extra, **dict(cfg, output_dir=d))
+        bl.set_threads(c.threads)
+        t0 = time.perf_counter()
+        from mmrgrpo.models import load_policy
+        model, tok = load_policy(c)
+        load_s = time.perf_counter() - t0
+        rss_loaded = bl.peak_rss_mb()
+        t0 = time.perf_counter()
+        res = tr.train(c, model=model, tokenizer=tok, progress=False)
+        train_s = time.perf_counter() - t0
+    rows = res.metrics
+    return {"step_s": [r["time/step"] for r in rows], "generate_s": [r.get("time/generate") for r in rows],
+            "reward": [r.get("reward") for r in rows], "completion_length": [r.get("completion_length") for r in rows],
+            "kl": [r.get("kl") for r in rows], "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded,
+            "threads": torch.get_num_threads()}
+
+
+def worker_trl(cfg: dict, extra: list) -> dict:
+    import torch, trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig, GRPOTrainer
+    from mmrgrpo.config import load_config
+    from mmrgrpo.models import load_tokenizer
+    from mmrgrpo.rewards import accuracy_reward, format_reward
+    c = load_config(**dict(cfg, output_dir="unused"))
+    bl.set_threads(c.threads)
+    pa = prompts_and_answers(c)
+    ds = Dataset.from_dict({"prompt": [p for p, _ in pa], "answer": [a for _, a in pa]})
+    times, starts = [], {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw): starts["t"] = time.perf_counter()
+        def on_step_end(self, args, state, control, **kw): times.append(time.perf_counter() - starts["t"])
+
+    logged = []
+    class LogKeeper(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs: logged.append(dict(logs))
+
+    with tempfile.TemporaryDirectory() as d:
+        targs = TRLConfig(output_dir=d, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+                          per_device_train_batch_size=c.prompts_per_step * c.num_generations, gradient_accumulation_steps=1,
+                          num_generations=c.num_generations, max_completion_length=c.max_completion_length,
+                          temperature=c.temperature, top_p=c.top_p, top_k=0, beta=c.beta_, loss_type=c.loss_type,
+                          epsilon=c.eps_low, epsilon_high=c.eps_high_, scale_rewards=c.scale_rewards, num_iterations=1,
+                          learning_rate=c.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
+                          weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, optim="adamw_torch",
+                          max_steps=c.steps, logging_steps=1, save_strategy="no", report_to="none", seed=c.seed,
+                          shuffle_dataset=False, disable_dropout=True, reward_weights=c.reward_weights,
+                          log_completions=False, dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"})
+        for kv in extra:
+            k, v = kv.split("=", 1); setattr(targs, k, json.loads(v) if v[:1] in "[{0123456789-tf" else v)
+        peft = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                          target_modules=list(c.lora_target_modules), task_type="CAUSAL_LM")
+        t0 = time.perf_counter()
+        trainer = GRPOTrainer(model=c.model, reward_funcs=[accuracy_reward, format_reward], args=targs, train_dataset=ds,
+                              processing_class=load_tokenizer(c.model), peft_config=peft, callbacks=[StepTimer(), LogKeeper()])
+        load_s = time.perf_counter() - t0
+        rss_loaded = bl.peak_rss_mb()
+        t0 = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t0
+    steps = [l for l in logged if "reward" in l]
+    return {"step_s": times, "reward": [l.get("reward") for l in steps],
+            "completion_length": [l.get("completions/mean_length") for l in steps], "kl": [l.get("kl") for l in steps],
+            "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded, "trl_version": trl.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def run_worker(arm: str, cfg: dict, extra: list, threads: int) -> dict:
+    "Run one arm in a fresh Python process; return its result dict (with peak RSS)."
+    with tempfile.TemporaryDirectory() as d:
+        spec, out = Path(d) / "spec.json", Path(d) / "out.json"
+        spec.write_text(json.dumps({"arm": arm, "cfg": cfg, "extra": extra}))
+        env = dict(os.environ)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, __file__, "--worker", str(spec), "--worker-out", str(out)], env=env,
+                           capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{arm} worker failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+        r = json.loads(out.read_text())
+        r["process_wall_s"] = wall
+        return r
+
+
+def summarise(runs: list, arm: str) -> dict:
+    mine = [r for r in runs if r["arm"] == arm]
+    timed = [t for r in mine for t in r["step_s"][1:]] or [t for r in mine for t in r["step_s"]]
+    return {"runs": len(mine), "median_step_s": bl.median(timed), "mean_step_s": sum(timed) / len(timed),
+            "timed_steps": len(timed), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
+            "peak_rss_mb_each": [r["peak_rss_mb"] for r in mine], "rss_after_load_mb": max(r["rss_after_load_mb"] for r in mine),
+            "load_s": bl.median([r["load_s"] for r in mine]),
+            "mean_reward": bl.median([x for r in mine for x in r["reward"] if x is not None]),
+            "mean_completion_length": bl.median([x for r in mine for x in r["completion_length"] if x is not None])}
+
+
+def main(argv=None):
+    ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 4; --quick 3); the first is a warm-up")
+    ap.add_argument("--runs", type=int, default=2, help="runs per arm, alternating the order")
+    ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra mmrgrpo config overrides")
+    ap.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra TRL GRPOConfig fields (JSON values)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        spec = json.loads(Path(args.worker).read_text())
+        fn = worker_ours if spec["arm"] == "ours" else worker_trl
+        r = fn(spec["cfg"], spec["extra"])
+        r.update(arm=spec["arm"], peak_rss_mb=bl.peak_rss_mb(), peak_rss_children_mb=bl.peak_rss_mb(bl.resource.RUSAGE_CHILDREN))
+        Path(args.worker_out).write_text(json.dumps(r))
+        return
+    meta = bl.start_meta()
+    try: import trl; trl_version = trl.__version__
+    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (a benchmark-only extra)")
+    steps = args.steps or (3 if args.quick else 4)
+    tmp = tempfile.TemporaryDirectory()
+    if args.quick:     # the tiny random model, saved as a plain folder both trainers can load
+        from mmrgrpo.models import resolve_model, load_tokenizer, tiny_random_model
+        tok = load_tokenizer(resolve_model("smollm2"))
+        tiny_random_model(tok).save_pretrained(tmp.name); tok.save_pretrained(tmp.name)
+        model_path = tmp.name
+    else:
+        from mmrgrpo.models import resolve_model
+        model_path = resolve_model("smollm2")
+    cfg = shared_config(args.quick, model_path, steps, args.threads)
+    order = [arm for r, arm in bl.interleaved(["ours", "trl"], args.runs)]
+    runs = []
+    for i, arm in enumerate(order):
+        extra = args.ours_set if arm == "ours" else args.trl_set
+        print(f"run {i + 1}/{len(order)}: {arm} ...", flush=True)
+        r = run_worker(arm, cfg, extra, args.threads)
+        runs.append(r)
+        print(f"  steps {[round(t, 2) for t in r['step_s']]} s, peak RSS {r['peak_rss_mb']:.0f} MiB, "
+              f"load {r['load_s']:.1f} s, reward {[round(x, 3) for x in r['reward'] if x is not None]}", flush=True)
+    s = {arm: summarise(runs, arm) for arm in ("ours", "trl")}
+    ratio = s["ours"]["median_step_s"] / s["trl"]["median_step_s"]
+    mem_ratio = s["ours"]["peak_rss_mb"] / s["trl"]["peak_rss_mb"]
+    print(f"\nconfig: model {Path(model_path).name}, G={cfg['num_generations']}, prompts={cfg['prompts_per_step']}, "
+          f"new tokens={cfg['max_completion_length']}, beta={cfg['beta']}, loss grpo, LoRA r=16 alpha=32, TRL {trl_version}, "
+          f"{args.runs} runs x {steps} steps per arm (first step of each run is a warm-up)")
+    print(bl.table([{"arm": a, **v} for a, v in s.items()],
+                   ["arm", "median_step_s", "mean_step_s", "timed_steps", "peak_rss_mb", "rss_after_load_mb", "load_s",
+                    "mean_reward", "mean_completion_length"],
+                   {"median_step_s": ".2f", "mean_step_s": ".2f", "peak_rss_mb": ".0f", "rss_after_load_mb": ".0f",
+                    "load_s": ".1f", "mean_reward": ".3f", "mean_completion_length": ".1f"}))
+    print(f"step time ours/TRL: {ratio:.3f} (speed-up {1 / ratio:.2f}x); peak RSS ours/TRL: {mem_ratio:.3f}")
+    out = {"name": "trl_compare", "quick": args.quick, "trl_version": trl_version, "config": cfg,
+           "ours_overrides": args.ours_set, "trl_overrides": args.trl_set, "order": order, "runs": runs, "summary": s,
+           "step_time_ratio_ours_over_trl": ratio, "peak_rss_ratio_ours_over_trl": mem_ratio, "meta": bl.finish_meta(meta)}
+    p = bl.write_json(Path(args.out) if args.out else bl.result_path("trl_compare", args.quick), out)
+    print(f"wrote {p}")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -27,8 +27,13 @@ check-export:
 readme:
 	jupyter nbconvert --to markdown --output-dir . --output README nbs/index.ipynb
 
+# every benchmark in its smoke-test mode (minutes); `make bench` runs the full set (about two hours on 2 cores)
+BENCHES = step_anatomy overheads compute_efficiency trl_compare time_to_accuracy
 bench-quick:
-	python bench/time_to_accuracy.py --quick
+	for b in $(BENCHES); do python bench/$$b.py --quick || exit 1; done
+
+bench:
+	for b in $(BENCHES); do python bench/$$b.py || exit 1; done
 
 clean:
 	rm -rf runs _proc _docs .pytest_cache

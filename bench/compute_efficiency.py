@@ -25,7 +25,7 @@ FLOP count of the update phase (multiply-add = 2 FLOPs; counted on the padded te
 Achieved FLOP/s = FLOPs / wall-clock of the update phase (ref + update); its fraction of the measured peak of the dtype
 the matmuls ran in (fp32, or bf16 under autocast) is the efficiency.
 
-    python bench/compute_efficiency.py             # full: about 6 min on 2 cores
+    python bench/compute_efficiency.py             # full: about 9 min on 2 cores
     python bench/compute_efficiency.py --quick     # tiny random model and small matmuls, seconds
 """
 import argparse, dataclasses, math, sys, time
@@ -125,7 +125,7 @@ def main(argv=None):
     N, T = ro.completion_ids.shape
     P = ro.prompt_ids.shape[1]
     pc = param_counts(model)
-    share = tr._share(c, ro, c.micro_batch_size or N) > 1
+    share = tr.prompt_share_size(c, ro, c.micro_batch_size or N) > 1
     flops = update_flops(pc, N, ro.group_size, P, T, share, bool(c.beta_))
 
     # ---- part 1: matmul peaks

@@ -15,7 +15,7 @@ unrecorded rounds (the first call on a new batch shape is slow); medians are rep
 on the shared rollout (`--gen-repeats` times), so a whole step at pruning rate P is generate + reward + prune + update(P)
 (MMR off), and the MMR fraction is mmr / (generate + reward + mmr + update(P=0)).
 
-    python bench/overheads.py                  # full: 1 warm-up + 3 rounds, about 7 min on 2 cores
+    python bench/overheads.py                  # full: 1 warm-up + 3 rounds, about 12 min on 2 cores
     python bench/overheads.py --quick          # tiny random model, seconds
 """
 import argparse, dataclasses, sys, time

@@ -11,7 +11,7 @@ Generation throughput is given two ways: valid completion tokens per second (tok
 loss sees) and generated positions per second (rows x the longest completion of the batch: what `generate` computes, padding
 after EOS included). The recorded rollout shapes come from a thin subclass of the trainer's HFBackend that only counts.
 
-    python bench/step_anatomy.py                # full: 5 steps, about 5 min on 2 cores (~50 s/step)
+    python bench/step_anatomy.py                # full: 5 steps, about 6 min on 2 cores (~60 s/step)
     python bench/step_anatomy.py --quick        # tiny random model, seconds
 """
 import argparse, sys, tempfile, time
@@ -59,6 +59,14 @@ def main(argv=None):
             wall = time.perf_counter() - t0
     finally:
         tr.HFBackend = orig
+    if len(shapes) != len(res.metrics):      # the trainer no longer builds its sampler from tr.HFBackend: estimate instead
+        print(f"WARNING: recorded {len(shapes)} rollouts for {len(res.metrics)} steps; generated positions/s is an estimate "
+              "(rows x max_completion_length)")
+        n = c.num_generations * c.prompts_per_step
+        shapes = [{"rows": n, "prompt_len": None, "gen_len": c.max_completion_length,
+                   "valid_tokens": round(r["completion_length"] * n)} for r in res.metrics]
+    global PHASES     # any other phase the trainer times (e.g. old_logp with num_iterations > 1) gets a column too
+    PHASES = PHASES + sorted({k[5:] for r in res.metrics for k in r if k.startswith("time/")} - set(PHASES) - {"step"})
     rows = []
     for r, s in zip(res.metrics, shapes):
         row = {"step": r["step"], **{p: r.get(f"time/{p}", 0.0) for p in PHASES}, "step_s": r["time/step"]}

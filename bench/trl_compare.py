@@ -14,12 +14,12 @@ full logits. Set --ours-set share_prompt=false to compare without prompt sharing
 
 Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...). Step
 time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
-on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step). The
-first step of each run is a warm-up and is left out of the medians.
+on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step; TRL's
+own logged `step_time` is stored beside it as a cross-check). The first step of each run is a warm-up and is left out of the medians.
 
     pip install trl==1.16.0                       # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
-    python bench/trl_compare.py                   # full: 2 runs per arm x 4 steps, about 15 min on 2 cores
-    python bench/trl_compare.py --quick           # a tiny random model saved to a temp folder, about 1 min
+    python bench/trl_compare.py                   # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
+    python bench/trl_compare.py --quick           # a tiny random model saved to a temp folder, 1-3 min
 """
 import argparse, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -120,7 +120,7 @@ def worker_trl(cfg: dict, extra: list) -> dict:
         trainer.train()
         train_s = time.perf_counter() - t0
     steps = [l for l in logged if "reward" in l]
-    return {"step_s": times, "reward": [l.get("reward") for l in steps],
+    return {"step_s": times, "trl_logged_step_time": [l.get("step_time") for l in steps], "reward": [l.get("reward") for l in steps],
             "completion_length": [l.get("completions/mean_length") for l in steps], "kl": [l.get("kl") for l in steps],
             "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded, "trl_version": trl.__version__,
             "threads": torch.get_num_threads()}

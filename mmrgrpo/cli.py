@@ -18,7 +18,7 @@ DEMO = dict(model="smollm2", task="arithmetic:1", num_generations=8, prompts_per
             learning_rate=2e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=30, eval_size=100,
             eval_every=10, save_every=10, log_completions_every=10, output_dir="runs/demo", seed=0)
 
-# %% ../nbs/12_cli.ipynb #5327a5cf
+# %% ../nbs/12_cli.ipynb #25a8aed7
 def summary_table(res, wall: float) -> str:
     "Plain-text summary of a run: accuracy before/after and wall-clock per phase."
     rows = res.metrics
@@ -72,7 +72,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
     from mmrgrpo.data import load_tasks
-    from mmrgrpo.trainer import build_prompt, eval_source, _eval
+    from mmrgrpo.trainer import build_prompt, eval_source, run_eval
     src = eval_source(c)
     tasks = load_tasks(src, "test", limit=c.eval_size, skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir)
     model, tok = load_policy(c)
@@ -81,7 +81,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
         import torch
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)])
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    res = _eval(HFBackend(model, tok, c.max_prompt_length), [build_prompt(tok, c, t["question"], src) for t in tasks],
+    res = run_eval(HFBackend(model, tok, c.max_prompt_length), [build_prompt(tok, c, t["question"], src) for t in tasks],
                 [t["answer"] for t in tasks], c, tok)
     print(json.dumps(res, indent=1))
     return 0

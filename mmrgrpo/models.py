@@ -54,7 +54,7 @@ def check_gguf(path) -> str:
                           f"GGUF file of one of {', '.join(supported_gguf_architectures())}, or the model's transformers folder")
     return arch
 
-# %% ../nbs/03_models.ipynb #2d617d13
+# %% ../nbs/03_models.ipynb #977c24fc
 def _looks_like_path(s: str) -> bool:
     return s.startswith((".", "/", "~")) or s.endswith(".gguf") or s.count("/") > 1
 
@@ -70,7 +70,7 @@ def check_model_source(model: str, gguf_file: str = None):
             raise ConfigError(f"model={model!r}: no such folder (gguf_file={gguf_file!r} is looked up inside it)")
         return
     if p.suffix == ".gguf":
-        if not p.exists(): raise ConfigError(f"model={model!r}: no such GGUF file")
+        if not p.exists(): raise ConfigError(f"model={model!r}: no such GGUF file (looked in {p.resolve().parent}): check the path")
         check_gguf(p); return
     if p.exists():
         if p.is_dir() and not (p / "config.json").exists():

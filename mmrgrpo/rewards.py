@@ -202,10 +202,10 @@ def _as_text(x) -> str:
     if isinstance(x, dict): return _as_text(x.get("content", x.get("text", "")))
     return "".join(_as_text(m) for m in x)
 
-# %% ../nbs/01_rewards.ipynb #065d96de
-def accuracy_reward(prompts, completions, answer, **kwargs) -> list[float]:
+# %% ../nbs/01_rewards.ipynb #81cfa650
+def accuracy_reward(prompts, completions, answer, reward_timeout: float = 2.0, **kwargs) -> list[float]:
     "1.0 when a completion's final answer equals its gold `answer` (a dataset column) by math-verify, else 0.0."
-    return verify_batch([str(a) for a in answer], [_as_text(c) for c in completions])
+    return verify_batch([str(a) for a in answer], [_as_text(c) for c in completions], timeout=reward_timeout)
 
 # %% ../nbs/01_rewards.ipynb #c5a817d5
 _AFTER_ANSWER = re.compile(r"(?:\s|[.!$]|\\\]|\\\))*")   # what may follow the final \boxed{...}

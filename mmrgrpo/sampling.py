@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 import torch
 
-# %% ../nbs/04_sampling.ipynb #b8983cd8
+# %% ../nbs/04_sampling.ipynb #eefe1788
 @dataclass
 class Rollout:
     "Completions for a batch of prompts, `num_generations` per prompt, rows ordered group by group."
@@ -30,11 +30,15 @@ class Rollout:
         return self.completion_mask.all(-1)
 
     def select(self, keep: torch.Tensor) -> "Rollout":
-        "The rows where the boolean `keep` (N,) is set (group_size becomes the kept count per group)."
+        "The rows where the boolean `keep` (N,) is set (group_size becomes the kept count per group), padding trimmed."
         idx = keep.nonzero().flatten().tolist()
         n_groups = len(self.prompts) // self.group_size
-        return Rollout([self.prompts[i] for i in idx], [self.completions[i] for i in idx], self.prompt_ids[keep],
-                       self.prompt_mask[keep], self.completion_ids[keep], self.completion_mask[keep],
+        p_mask, c_mask = self.prompt_mask[keep], self.completion_mask[keep]
+        # columns that are padding in every kept row cost compute and carry nothing: drop them
+        p0 = int(p_mask.any(0).float().argmax()) if p_mask.numel() else 0
+        t1 = max(int(c_mask.sum(-1).max()), 1) if c_mask.numel() else 1
+        return Rollout([self.prompts[i] for i in idx], [self.completions[i] for i in idx], self.prompt_ids[keep][:, p0:],
+                       p_mask[:, p0:], self.completion_ids[keep][:, :t1], c_mask[:, :t1],
                        max(len(idx) // max(n_groups, 1), 1))
 
 # %% ../nbs/04_sampling.ipynb #4cf2c9d3

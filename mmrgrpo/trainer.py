@@ -7,19 +7,20 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 # %% auto #0
 __all__ = ['SHARDING_ENV', 'GLOBAL_METRICS', 'dist_info', 'all_reduce_sum', 'init_distributed', 'reduce_metrics', 'eval_source',
            'build_prompt', 'step_seed', 'fit_prompts', 'Phases', 'score', 'advantages_for', 'prune', 'scores_for',
-           'batch_logprobs', 'update', 'MetricsLogger', 'read_metrics', 'rng_state', 'set_rng_state', 'save_checkpoint',
-           'latest_checkpoint', 'load_checkpoint', 'completions_table', 'TrainResult', 'train', 'plot_rewards']
+           'prompt_share_size', 'batch_logprobs', 'update', 'MetricsLogger', 'read_metrics', 'rng_state',
+           'set_rng_state', 'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'completions_table',
+           'TrainResult', 'run_eval', 'train', 'plot_rewards']
 
-# %% ../nbs/11_trainer.ipynb #cb28118a
-import contextlib, json, math, os, random, shutil, signal, sys, time
+# %% ../nbs/11_trainer.ipynb #5360aa2d
+import contextlib, functools, json, math, os, random, shutil, signal, sys, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from .config import GRPOConfig, ConfigError, check_config, kept_per_group, prompts_to_sample, save_config
+from .config import GRPOConfig, ConfigError, check_config, prompts_to_sample, save_config
 from .data import load_tasks, tasks_for_step, task_source, format_prompt, default_shots, check_prompt_lengths, DataError, READERS
-from .rewards import compute_rewards, get_reward_funcs
+from .rewards import compute_rewards, get_reward_funcs, accuracy_reward
 from .models import load_policy, check_model_source, reference_context, trainable_parameters, autocast
 from .sampling import HFBackend, Rollout
 from .advantages import group_advantages, group_view, frac_zero_std
@@ -134,7 +135,7 @@ def prune(rollout: Rollout, adv: torch.Tensor, c: GRPOConfig) -> tuple:
     keep = keep_mask(adv, rollout.group_size, c.prune_rate, scope=c.prune_scope)
     return rollout.select(keep), adv[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
-# %% ../nbs/11_trainer.ipynb #c4a92477
+# %% ../nbs/11_trainer.ipynb #c872d46e
 def scores_for(c: GRPOConfig, ent, logp, logp_old, logp_ref, adv, log_sumsq=None):
     "Scores (N, T) of the configured token selector."
     return token_scores(c.token_selection, ent, logp.detach(), logp_old, adv, logp_ref, log_sumsq,
@@ -143,7 +144,7 @@ def scores_for(c: GRPOConfig, ent, logp, logp_old, logp_ref, adv, log_sumsq=None
 def _rows(ro: Rollout, sl):
     return ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl], ro.completion_mask[sl]
 
-def _share(c: GRPOConfig, ro: Rollout, mb: int) -> int:
+def prompt_share_size(c: GRPOConfig, ro: Rollout, mb: int) -> int:
     "Group size for prompt sharing: the rollout's when micro-batches hold whole groups and sharing is on, else 1."
     return ro.group_size if c.share_prompt and ro.group_size > 1 and mb % ro.group_size == 0 else 1
 
@@ -154,7 +155,7 @@ def batch_logprobs(model, ro: Rollout, c: GRPOConfig, mb: int, with_sumsq=False,
     for i in range(0, len(ro.completions), mb):
         with autocast(c.autocast_bf16, model.device.type):
             outs.append(completion_stats(model, *_rows(ro, slice(i, i + mb)), temperature=c.temperature,
-                                         chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq, group_size=_share(c, ro, mb)))
+                                         chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq, group_size=prompt_share_size(c, ro, mb)))
     return [torch.cat(x) if x[0] is not None else None for x in zip(*outs)]
 
 def update(model, optimizer, ro: Rollout, adv: torch.Tensor, c: GRPOConfig, ref_model=None, phases=None, counter=None) -> dict:
@@ -192,7 +193,7 @@ def update(model, optimizer, ro: Rollout, adv: torch.Tensor, c: GRPOConfig, ref_
             with phases("update"), autocast(c.autocast_bf16, model.device.type):
                 logp, ent, lsq = completion_stats(model, *_rows(ro, sl), temperature=c.temperature,
                                                   chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq and not prepass,
-                                                  group_size=_share(c, ro, mb))
+                                                  group_size=prompt_share_size(c, ro, mb))
             counter["forward_rows"] = counter.get("forward_rows", 0) + logp.shape[0]
             old = logp.detach() if logp_old is None else logp_old[sl]
             ref = None if logp_ref is None else logp_ref[sl]
@@ -343,7 +344,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(t["optimizer"]); scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
     return json.loads((path / "trainer_state.json").read_text())
 
-# %% ../nbs/11_trainer.ipynb #8c74bfdc
+# %% ../nbs/11_trainer.ipynb #5f4824e3
 def completions_table(ro: Rollout, rewards, adv, n: int = 4, width: int = 70) -> str:
     "A plain-text table of the first `n` completions of a step: reward, advantage, text."
     lines = [f"{'reward':>7} {'adv':>7}  completion"]
@@ -361,8 +362,10 @@ class TrainResult:
     eval_after: dict
     model: object = None
     tokenizer: object = None
+    backend: object = None   # the generation backend (e.g. to measure a vLLM engine's log-prob gap after training)
 
-def _eval(backend, eval_prompts, eval_answers, c, tokenizer):
+def run_eval(backend, eval_prompts, eval_answers, c, tokenizer):
+    "Held-out evaluation with the config's lengths, samples and sampling settings."
     return evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length, n_samples=c.eval_samples,
                     temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99)
 
@@ -396,7 +399,8 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
         import copy
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     embedder = load_embedder(c.embedding_model) if c.mmr else None
-    reward_funcs = get_reward_funcs(c.reward_funcs)
+    reward_funcs = [functools.partial(f, reward_timeout=c.reward_timeout) if f is accuracy_reward else f
+                    for f in get_reward_funcs(c.reward_funcs)]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=c.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (c.warmup_steps + 1)))
@@ -419,7 +423,7 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
         if rank == 0: print(f"skip_bad_rows: skipped {skipped} training and {eval_skipped} held-out row(s)")
     eval_before = eval_after = {}
     if eval_tasks and c.eval_before and start == 0:
-        eval_before = _eval(backend, eval_prompts, eval_answers, c, tokenizer)
+        eval_before = run_eval(backend, eval_prompts, eval_answers, c, tokenizer)
         logger.log(eval_before, 0)
         if rank == 0: print("before training: " + ", ".join(f"{k}={v:.3f}" for k, v in eval_before.items()))
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
@@ -455,7 +459,7 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
             m = reduce_metrics(m)
             done = step + 1
             if c.eval_every and eval_tasks and done % c.eval_every == 0 and done < c.steps:
-                m.update(_eval(backend, eval_prompts, eval_answers, c, tokenizer))
+                m.update(run_eval(backend, eval_prompts, eval_answers, c, tokenizer))
             logger.log(m, done); rows.append({"step": done, **m})
             if rank == 0:
                 bar.set_postfix(reward=f"{m['reward']:.2f}", kl=f"{m['kl']:.3f}")
@@ -476,11 +480,11 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
     finally:
         logger.close(); bar.close()
     if eval_tasks and (stop_after is None or stop_after >= c.steps):
-        eval_after = _eval(backend, eval_prompts, eval_answers, c, tokenizer)
+        eval_after = run_eval(backend, eval_prompts, eval_answers, c, tokenizer)
         logger_after = MetricsLogger(out, ("jsonl",), resume_step=10**9, enabled=rank == 0)
         logger_after.log(eval_after, c.steps); logger_after.close()
         if rank == 0: print("after training: " + ", ".join(f"{k}={v:.3f}" for k, v in eval_after.items()))
-    return TrainResult(out, rows, eval_before, eval_after, model, tokenizer)
+    return TrainResult(out, rows, eval_before, eval_after, model, tokenizer, backend)
 
 # %% ../nbs/11_trainer.ipynb #f71e3847
 def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_reward", "reward_mmr")):

@@ -33,3 +33,11 @@ def tiny_model(tokenizer):
     "A fresh 2-layer random Llama with SmolLM2's vocabulary."
     from mmrgrpo.models import tiny_random_model
     return tiny_random_model(tokenizer, seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    "Tests marked `gpu` are skipped where there is no CUDA device (CPU CI); they run on GPU machines."
+    if torch.cuda.is_available(): return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"): item.add_marker(skip)

@@ -103,15 +103,19 @@ def test_sigkill_at_any_moment_then_resume_continues_exactly(tmp_path, reference
     half = list(out.glob(".tmp-checkpoint-3-*"))
     assert len(half) == 1 and (half[0] / "training.pt").exists() and not (half[0] / "trainer_state.json").exists()
     assert latest_checkpoint(out).name == "checkpoint-2"
-    # 2. `mmrgrpo train ... resume_from=latest` continues from checkpoint-2 and is killed at a random moment after checkpoint-4
-    delay = random.uniform(0.0, 1.0)
+    # 2. `mmrgrpo train ... resume_from=latest` continues from checkpoint-2 and is killed at a random moment within the two
+    #    steps after checkpoint-4 (timed by the gap between checkpoints 3 and 4, so a fast machine does not finish first)
     cli = [sys.executable, "-c", "import sys; from mmrgrpo.cli import main; sys.exit(main())", "train",
            *[f"{k}={json.dumps(v)}" for k, v in {**kw, "resume_from": "latest"}.items()]]
     log = tmp_path / "cli.log"
     with open(log, "w") as f: proc = subprocess.Popen(cli, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoint-4" / "trainer_state.json").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    seen, deadline = {}, time.monotonic() + 300
+    while 4 not in seen and proc.poll() is None and time.monotonic() < deadline:
+        for k in (3, 4):
+            if k not in seen and (out / f"checkpoint-{k}" / "trainer_state.json").exists(): seen[k] = time.monotonic()
+        time.sleep(0.01)
+    assert seen.keys() == {3, 4}, log.read_text(errors="replace")[-3000:]
+    delay = random.uniform(0.0, 2 * (seen[4] - seen[3]))
     time.sleep(delay)
     proc.kill()
     proc.wait(timeout=60)
@@ -161,13 +165,13 @@ def write_gguf(path, arch):
 BAD_CONFIGS = {   # change -> (what the message must name, what it must say to do)
     "G < 2": (dict(num_generations=1), "num_generations=1", "use at least 2"),
     "micro-batch": (dict(micro_batch_size=3), "micro_batch_size=3", "pick a divisor of 8"),
-    "prune keeps 0": (dict(prune_rate=0.9), "prune_rate=0.9", "lower prune_rate or raise num_generations"),
+    "prune keeps 0": (dict(prune_rate=0.9), "prune_rate=0.9", "use a prune_rate below 0.875"),
     "keep_ratio 0": (dict(keep_ratio=0.0), "keep_ratio=0.0", "must be in (0, 1]"),
     "keep_ratio > 1": (dict(keep_ratio=1.5), "keep_ratio=1.5", "must be in (0, 1]"),
     "wrong type": (dict(steps="3"), "steps='3'", "must be an integer"),
     "wrong type, list": (dict(reward_funcs="accuracy"), "reward_funcs='accuracy'", "must be a list"),
     "missing folder": (dict(model="/no/such/model"), "model='/no/such/model'", "for a hub model use its id"),
-    "missing .gguf": (dict(model="./missing.gguf"), "model='./missing.gguf'", "no such GGUF file"),
+    "missing .gguf": (dict(model="./missing.gguf"), "model='./missing.gguf'", "check the path"),
     "missing gguf folder": (dict(model="/no/such/dir", gguf_file="m.gguf"), "model='/no/such/dir'", "no such folder"),
     "unsupported GGUF": ("rwkv7", "architecture 'rwkv7'", "use a GGUF file of one of llama"),
     "unreadable GGUF": (b"GGUF but not really", "is not a readable GGUF file", "download it again"),
@@ -201,7 +205,7 @@ def test_unknown_key_and_wrong_type_from_yaml_and_cli(tmp_path, no_model, capsys
 
 GOOD = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
 line = lambda r: json.dumps(r).encode() + b"\n"
-LONG = {"question": "Explain " + "this " * 400, "answer": "1"}          # ~400 tokens > max_prompt_length=256
+LONG = {"question": "Explain " + "this " * 800, "answer": "1"}          # ~800 tokens > max_prompt_length=512
 
 BAD_DATA = {   # file bytes -> (row, what is wrong)
     "empty file": (b"", "the file is empty (row 1)"),
@@ -229,7 +233,7 @@ def test_too_long_prompt_fails_before_the_first_step(which, tmp_path, tokenizer,
     bad.write_bytes(b"".join(map(line, GOOD[:2] + [LONG] + GOOD[2:])))
     kw = dict(task=str(bad)) if which == "task" else dict(task=str(good), eval_task=str(bad), eval_size=5)
     with pytest.raises(DataError) as e: train(cfg(tmp_path, **kw), model=tiny_model, tokenizer=tokenizer, progress=False)
-    assert re.search(rf"{re.escape(str(bad))} row 3: the prompt has \d+ tokens, more than max_prompt_length=256", one_line(e))
+    assert re.search(rf"{re.escape(str(bad))} row 3: the prompt has \d+ tokens, more than max_prompt_length=512", one_line(e))
     assert "skip_bad_rows=True" in one_line(e)
 
 

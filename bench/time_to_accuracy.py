@@ -1,0 +1,285 @@
+"""Time to accuracy: held-out greedy accuracy against step and wall-clock for GRPO and its accelerations, over seeds.
+
+Arms (same task, seeds, prompts per step, model and evaluation set; only the acceleration differs):
+  grpo          plain GRPO
+  mmr           MMR-GRPO: completions reweighted by diversity before the advantages
+  cppo          CPPO: the 75% of each group with the smallest |advantage| pruned before the update (allocation off:
+                the same prompts per step; --cppo-allocation samples B/(1-P) prompts instead)
+  gmts          GMTS: the update trains on the top 20% of tokens by |gradient| estimate
+  all           MMR + CPPO + GMTS together
+  dr_grpo, mmr_dr_grpo   (with --with-dr) DR-GRPO (advantage r - mean, loss_type dr_grpo) without and with MMR
+
+Default setting (sized for about 50 minutes on 2 CPU cores): SmolLM2-135M-Instruct + LoRA, arithmetic level 2 (two-digit
+sums; the base model gets about 11% sampled and 25% greedy), G=8 completions for 4 prompts per step, 32 new tokens, 12 steps,
+greedy accuracy on 50 held-out tasks every 3 steps, seeds 0 and 1. The base model (step 0) is evaluated once: every arm
+starts from it (LoRA's B matrix starts at zero) and the held-out set does not depend on the seed.
+
+Reported per arm: peak accuracy (of the seed-mean curve, and per seed), the first evaluated step at which the arm reaches 95%
+of plain GRPO's peak and the training wall-clock spent by then (sum of `time/step`, evaluation excluded), the median step
+time, and the spread over seeds. Curves: accuracy vs step and vs wall-clock, PNGs beside the JSON. With 50 tasks one task is
+2 points of accuracy and the binomial standard error near 25% is about 6 points: read small differences as noise.
+
+Crash safety: each (arm, seed) run trains in runs/bench_tta/<tag>/<arm>-seed<k>/ with a checkpoint at every evaluation; a
+finished run writes bench/results/time_to_accuracy[_quick]/<arm>-seed<k>.json and the summary is rewritten after every run.
+Running the script again skips finished runs and resumes an interrupted one from its last checkpoint (--fresh starts over).
+
+    python bench/time_to_accuracy.py                     # full: 5 arms x 2 seeds x 12 steps, about 50 min on 2 cores
+    python bench/time_to_accuracy.py --with-dr           # + the two DR-GRPO arms, about 70 min
+    python bench/time_to_accuracy.py --steps 15          # longer curves, about 60 min
+    python bench/time_to_accuracy.py --quick             # every arm, 2 steps, tiny random model: about 2-3 min
+    python bench/time_to_accuracy.py --report-only       # rebuild the summary and plots from the finished runs
+"""
+import argparse, dataclasses, gc, json, shutil, statistics, sys, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+
+ARMS = {"grpo": {}, "mmr": {"mmr": True}, "cppo": {"prune_rate": 0.75}, "gmts": {"token_selection": "gmts"},
+        "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"}}
+DR_ARMS = {"dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
+           "mmr_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none", "mmr": True}}
+TARGET = 0.95
+
+
+def base_config(args) -> dict:
+    quick = args.quick
+    d = dict(model=args.model or ("tiny-random" if quick else "smollm2"), task="arithmetic:2", lora=True,
+             num_generations=args.G or (4 if quick else 8), prompts_per_step=args.prompts or (2 if quick else 4),
+             max_completion_length=args.tokens or (8 if quick else 32), learning_rate=args.lr,
+             steps=args.steps or (2 if quick else 12), eval_every=args.eval_every or (1 if quick else 3),
+             eval_size=args.eval_size or (8 if quick else 50), eval_before=False, log_completions_every=0,
+             threads=args.threads)
+    if args.beta is not None: d["beta"] = args.beta
+    d["save_every"] = d["eval_every"]
+    return d
+
+
+def arm_config(base: dict, arm: str, seed: int, out: Path, cppo_allocation: bool, overrides: list):
+    from mmrgrpo.config import load_config
+    extra = dict(ARMS, **DR_ARMS)[arm]
+    if cppo_allocation and extra.get("prune_rate"): extra = dict(extra, allocation=True)
+    return load_config(overrides=overrides, **dict(base, **extra, seed=seed, output_dir=str(out)))
+
+
+def base_eval(c) -> dict:
+    "Greedy held-out accuracy of the untrained model (step 0 of every arm), with the trainer's evaluation settings."
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.data import load_tasks
+    from mmrgrpo.models import load_policy
+    from mmrgrpo.sampling import HFBackend
+    model, tok = load_policy(c)
+    src = tr.eval_source(c)
+    tasks = load_tasks(src, "test", limit=c.eval_size, data_dir=c.data_dir)
+    prompts = [tr.build_prompt(tok, c, t["question"], src) for t in tasks]
+    res = tr.run_eval(HFBackend(model, tok, c.max_prompt_length), prompts, [t["answer"] for t in tasks], c, tok)
+    del model; gc.collect()
+    return res
+
+
+def run_arm(c, run_dir: Path) -> list:
+    "Train one (arm, seed), resuming from its last checkpoint if an earlier attempt stopped; return its metrics rows."
+    import mmrgrpo.trainer as tr
+    if tr.latest_checkpoint(run_dir) is not None:
+        print(f"  resuming from {tr.latest_checkpoint(run_dir)}", flush=True)
+        c = dataclasses.replace(c, resume_from="latest")
+    tr.train(c, progress=False)
+    return tr.read_metrics(run_dir / "metrics.jsonl")
+
+
+def curve_of(rows: list, base: dict, steps: int) -> list:
+    "[(step, accuracy, training seconds so far)] from a run's metrics rows, step 0 being the base model."
+    t, cum, pts = 0.0, {}, [(0, base["eval/accuracy"], 0.0)]
+    for r in sorted((r for r in rows if "time/step" in r), key=lambda r: r["step"]):
+        t += r["time/step"]; cum[r["step"]] = t
+    seen = set()
+    for r in rows:
+        if "eval/accuracy" in r and r["step"] not in seen and r["step"] in cum:
+            seen.add(r["step"]); pts.append((r["step"], r["eval/accuracy"], cum[r["step"]]))
+    return sorted(pts)
+
+
+def first_reach(curve: list, target: float):
+    "The first (step, seconds) of `curve` at or above `target`, or (None, None)."
+    for s, a, t in curve:
+        if a >= target - 1e-12: return s, t
+    return None, None
+
+
+def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
+    "Per-arm peaks, time to 95% of GRPO's peak (seed-mean curve and per seed), step times, and spreads."
+    out = {"arms": {}, "target_fraction": TARGET}
+    have = {a: [s for s in seeds if (a, s) in runs] for a in arms}
+    def mean_curve(a):
+        cs = [runs[(a, s)]["curve"] for s in have[a]]
+        if not cs: return []
+        steps = sorted(set.intersection(*[{p[0] for p in c} for c in cs]))
+        pick = lambda c, st: next(p for p in c if p[0] == st)
+        return [(st, statistics.mean(pick(c, st)[1] for c in cs), statistics.mean(pick(c, st)[2] for c in cs),
+                 min(pick(c, st)[1] for c in cs), max(pick(c, st)[1] for c in cs),
+                 statistics.pstdev([pick(c, st)[1] for c in cs])) for st in steps]
+    mc = {a: mean_curve(a) for a in arms}
+    g = mc.get("grpo") or []
+    target = TARGET * max(p[1] for p in g) if g else None
+    out["grpo_peak"] = max(p[1] for p in g) if g else None
+    out["target_accuracy"] = target
+    base = g[0][1] if g else None
+    out["base_accuracy"] = base
+    out["target_at_or_below_base"] = bool(g) and target <= base
+    out["binomial_se_at_target"] = (target * (1 - target) / eval_size) ** 0.5 if target is not None else None
+    for a in arms:
+        if not mc[a]: continue
+        s_reach, t_reach = first_reach([(p[0], p[1], p[2]) for p in mc[a]], target) if target is not None else (None, None)
+        per_seed = {}
+        for s in have[a]:
+            cur = runs[(a, s)]["curve"]
+            gs = runs.get(("grpo", s))
+            tgt = TARGET * max(p[1] for p in gs["curve"]) if gs else None
+            st, tt = first_reach(cur, tgt) if tgt is not None else (None, None)
+            per_seed[s] = {"peak": max(p[1] for p in cur), "target": tgt, "step_reached": st, "seconds_reached": tt,
+                           "median_step_s": runs[(a, s)]["median_step_s"], "final": cur[-1][1]}
+        peaks = [v["peak"] for v in per_seed.values()]
+        out["arms"][a] = {
+            "seeds": have[a], "peak_mean_curve": max(p[1] for p in mc[a]),
+            "peak_per_seed_mean": statistics.mean(peaks), "peak_per_seed_std": statistics.pstdev(peaks),
+            "final_mean": mc[a][-1][1], "step_reached": s_reach, "seconds_reached": t_reach,
+            "median_step_s": statistics.median(v["median_step_s"] for v in per_seed.values()),
+            "mean_curve": [dict(zip(("step", "accuracy", "seconds", "acc_min", "acc_max", "acc_std"), p)) for p in mc[a]],
+            "per_seed": per_seed}
+    gr = out["arms"].get("grpo")
+    for a, v in out["arms"].items():
+        if gr and v["step_reached"] and gr["step_reached"]:
+            v["steps_ratio_vs_grpo"] = v["step_reached"] / gr["step_reached"]
+            v["wallclock_ratio_vs_grpo"] = v["seconds_reached"] / gr["seconds_reached"] if gr["seconds_reached"] else None
+        if gr: v["step_time_ratio_vs_grpo"] = v["median_step_s"] / gr["median_step_s"]
+    return out
+
+
+def plot(summary: dict, png_dir: Path, tag: str) -> list:
+    import matplotlib; matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for x, xlabel, name in (("step", "training step", "step"), ("seconds", "training wall-clock (s, evaluation excluded)", "wallclock")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for a, v in summary["arms"].items():
+            xs = [p[x] for p in v["mean_curve"]]
+            line, = ax.plot(xs, [p["accuracy"] for p in v["mean_curve"]], marker="o", ms=3, label=f"{a} ({len(v['seeds'])} seeds)")
+            ax.fill_between(xs, [p["acc_min"] for p in v["mean_curve"]], [p["acc_max"] for p in v["mean_curve"]],
+                            color=line.get_color(), alpha=0.12)
+        if summary.get("target_accuracy") is not None:
+            ax.axhline(summary["target_accuracy"], ls="--", color="gray", lw=1, label=f"{TARGET:.0%} of GRPO's peak")
+        ax.set_xlabel(xlabel); ax.set_ylabel("held-out greedy accuracy"); ax.grid(alpha=0.3); ax.legend(fontsize=8)
+        ax.set_title("mean over seeds (band: min-max)", fontsize=9)
+        fig.tight_layout()
+        p = png_dir / f"time_to_accuracy{tag}_{name}.png"; fig.savefig(p, dpi=110); plt.close(fig); paths.append(p)
+    return paths
+
+
+def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
+    s = summarise(runs, arms, seeds, c0["eval_size"])
+    rows = [{"arm": a, "seeds": len(v["seeds"]), "peak": v["peak_mean_curve"], "peak_seed_mean": v["peak_per_seed_mean"],
+             "peak_seed_std": v["peak_per_seed_std"], "final": v["final_mean"], "step_95": v["step_reached"],
+             "seconds_95": v["seconds_reached"],
+             "step_95_per_seed": "/".join(str(x["step_reached"]) for x in v["per_seed"].values()), "step_s": v["median_step_s"], "step_time_vs_grpo": v.get("step_time_ratio_vs_grpo"),
+             "wallclock_vs_grpo": v.get("wallclock_ratio_vs_grpo")} for a, v in s["arms"].items()]
+    print(f"\nheld-out greedy accuracy on {c0['eval_size']} tasks; base model {base['eval/accuracy']:.3f}; "
+          f"target = {TARGET:.0%} of GRPO's peak = {s['target_accuracy'] if s['target_accuracy'] is not None else float('nan'):.3f} "
+          f"(binomial s.e. there ~{s['binomial_se_at_target'] or 0:.3f})")
+    if s["target_at_or_below_base"]:
+        print("NOTE: the target is at or below the base model's accuracy, so every arm 'reaches' it at step 0: "
+              "GRPO did not improve on the base here, and the time-to-accuracy comparison says nothing.")
+    print(bl.table(rows, ["arm", "seeds", "peak", "peak_seed_mean", "peak_seed_std", "final", "step_95", "seconds_95", "step_95_per_seed",
+                          "step_s", "step_time_vs_grpo", "wallclock_vs_grpo"],
+                   {"peak": ".3f", "peak_seed_mean": ".3f", "peak_seed_std": ".3f", "final": ".3f", "seconds_95": ".0f",
+                    "step_s": ".1f", "step_time_vs_grpo": ".2f", "wallclock_vs_grpo": ".2f"}))
+    pngs = plot(s, bl.RESULTS, tag) if s["arms"] else []
+    out = {"name": "time_to_accuracy", "quick": args.quick, "settings": c0, "arms_requested": arms, "seeds": seeds,
+           "cppo_allocation": args.cppo_allocation, "base_eval": base, "summary": s,
+           "runs": {f"{a}-seed{sd}": {k: v for k, v in r.items() if k != "rows"} for (a, sd), r in runs.items()},
+           "plots": [str(p) for p in pngs], "meta": bl.finish_meta(meta)}
+    p = bl.write_json(Path(args.out) if args.out else bl.RESULTS / f"time_to_accuracy{tag}.json", out)
+    print(f"wrote {p}" + "".join(f"\nwrote {x}" for x in pngs))
+    return out
+
+
+def main(argv=None):
+    ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+                        "every arm for 2 steps on the tiny random model (checks the pipeline, about 2-3 min)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS) + list(DR_ARMS)}")
+    ap.add_argument("--with-dr", action="store_true", help="add the dr_grpo and mmr_dr_grpo arms")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--model", default=None, help="default smollm2 (--quick: tiny-random)")
+    ap.add_argument("--steps", type=int, default=None); ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--eval-size", type=int, default=None); ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--G", type=int, default=None); ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--beta", type=float, default=None, help="KL weight (default: the config's, 0.04 for grpo and dr_grpo)")
+    ap.add_argument("--cppo-allocation", action="store_true", help="CPPO arms sample B/(1-P) prompts per step")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every arm")
+    ap.add_argument("--fresh", action="store_true", help="discard finished runs and checkpoints of this setting")
+    ap.add_argument("--tag", default=None, help="suffix of the result names (default '' or '_quick'), to keep trial settings apart")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the summary from finished runs")
+    args = ap.parse_args(argv)
+    bl.set_threads(args.threads)
+    meta = bl.start_meta()
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] + (list(DR_ARMS) if args.with_dr else [])
+    arms = list(dict.fromkeys(arms))
+    bad = [a for a in arms if a not in ARMS and a not in DR_ARMS]
+    if bad: sys.exit(f"unknown arm(s) {bad}: use {list(ARMS) + list(DR_ARMS)}")
+    if "grpo" not in arms: arms.insert(0, "grpo")      # the reference every target is taken from
+    seeds = [int(s) for s in args.seeds.split(",")]
+    c0 = base_config(args)
+    tag = args.tag if args.tag is not None else ("_quick" if args.quick else "")
+    res_dir = bl.RESULTS / f"time_to_accuracy{tag}"
+    run_root = bl.REPO / "runs" / "bench_tta" / (tag.strip("_") or "full")
+    if args.fresh and not args.report_only:
+        shutil.rmtree(res_dir, ignore_errors=True); shutil.rmtree(run_root, ignore_errors=True)
+    res_dir.mkdir(parents=True, exist_ok=True)
+    settings_key = {k: v for k, v in c0.items() if k != "threads"}
+    base_path = res_dir / "base.json"
+    base = None
+    if base_path.exists():
+        b = json.loads(base_path.read_text())
+        if b.get("settings") == settings_key: base = b["eval"]
+    if base is None and not args.report_only:
+        print("evaluating the base model (step 0 of every arm) ...", flush=True)
+        base = base_eval(arm_config(c0, "grpo", seeds[0], run_root / "base", False, args.set))
+        bl.write_json(base_path, {"settings": settings_key, "eval": base})
+    if base is None: sys.exit(f"no base evaluation in {res_dir}: run without --report-only first")
+    print(f"base model: greedy accuracy {base['eval/accuracy']:.3f} on {c0['eval_size']} tasks")
+
+    runs, reported = {}, False
+    order = [(a, s) for s in seeds for a in arms]        # seed-major: a crash after seed 0 still leaves a full comparison
+    for i, (a, s) in enumerate(order):
+        path = res_dir / f"{a}-seed{s}.json"
+        if path.exists():
+            r = json.loads(path.read_text())
+            if r.get("complete") and r.get("settings") == settings_key and r.get("overrides") == args.set \
+                    and r.get("cppo_allocation") == args.cppo_allocation:
+                runs[(a, s)] = r; continue
+        if args.report_only: continue
+        run_dir = run_root / f"{a}-seed{s}"
+        c = arm_config(c0, a, s, run_dir, args.cppo_allocation, args.set)
+        print(f"\n[{i + 1}/{len(order)}] arm {a}, seed {s}: {c.steps} steps, eval every {c.eval_every} on {c.eval_size} tasks",
+              flush=True)
+        t0 = time.perf_counter()
+        rows = run_arm(c, run_dir)
+        curve = curve_of(rows, base, c.steps)
+        steps_t = [r["time/step"] for r in rows if "time/step" in r]
+        r = {"arm": a, "seed": s, "complete": True, "settings": settings_key, "overrides": args.set,
+             "cppo_allocation": args.cppo_allocation, "config": dataclasses.asdict(c), "curve": curve,
+             "median_step_s": statistics.median(steps_t), "train_s": sum(steps_t), "process_wall_s": time.perf_counter() - t0,
+             "eval_s": [r["eval/time"] for r in rows if "eval/time" in r], "rows": rows,
+             "git": bl.git_info(), "date": bl.start_meta()["date"]}
+        bl.write_json(path, r)
+        runs[(a, s)] = r
+        for ck in run_dir.glob("checkpoint-*"): shutil.rmtree(ck, ignore_errors=True)
+        print(f"  curve (step, acc, s): {[(p[0], round(p[1], 3), round(p[2])) for p in curve]}", flush=True)
+        gc.collect()
+        reported = i == len(order) - 1
+        report(runs, arms, seeds, base, c0, args, meta, res_dir, tag)     # a summary after every run
+    if not reported: report(runs, arms, seeds, base, c0, args, meta, res_dir, tag)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,12 +13,12 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from .config import GRPOConfig, ConfigError, load_config
 
-# %% ../nbs/12_cli.ipynb #58ab2d03
-DEMO = dict(model="smollm2", task="arithmetic:1", num_generations=8, prompts_per_step=8, max_completion_length=32,
-            learning_rate=2e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=30, eval_size=100,
-            eval_every=10, save_every=10, log_completions_every=10, output_dir="runs/demo", seed=0)
+# %% ../nbs/12_cli.ipynb #40c62b88
+DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=8, max_completion_length=32,
+            learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=15, eval_size=64,
+            eval_every=5, save_every=5, log_completions_every=5, output_dir="runs/demo", seed=0)
 
-# %% ../nbs/12_cli.ipynb #25a8aed7
+# %% ../nbs/12_cli.ipynb #a913e734
 def summary_table(res, wall: float) -> str:
     "Plain-text summary of a run: accuracy before/after and wall-clock per phase."
     rows = res.metrics
@@ -87,7 +87,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     return 0
 
 def demo(overrides=(), config=None) -> int:
-    "Train SmolLM2-135M-Instruct with LoRA on single-digit arithmetic, on the CPU; print a summary; save plots and metrics."
+    "Train SmolLM2-135M-Instruct with LoRA on two-digit sums, on the CPU; print a summary; save plots and metrics."
     from mmrgrpo.trainer import train, plot_rewards
     c = load_config(config, overrides, **({} if config else {k: v for k, v in DEMO.items() if k not in _keys(overrides)}))
     t0 = time.perf_counter()

@@ -125,7 +125,7 @@ def tiny_random_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: i
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg)
 
-# %% ../nbs/03_models.ipynb #5a96d0a3
+# %% ../nbs/03_models.ipynb #1caa727b
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
@@ -175,6 +175,7 @@ def load_policy(c: GRPOConfig, device: str = None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if c.lora: model = add_lora(model, c)
     model.generation_config.pad_token_id = tok.pad_token_id
+    model.train()      # from_pretrained returns eval mode, in which gradient checkpointing is silently skipped
     return model, tok
 
 # %% ../nbs/03_models.ipynb #38fb2f79

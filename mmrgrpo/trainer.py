@@ -135,7 +135,7 @@ def prune(rollout: Rollout, adv: torch.Tensor, c: GRPOConfig) -> tuple:
     keep = keep_mask(adv, rollout.group_size, c.prune_rate, scope=c.prune_scope)
     return rollout.select(keep), adv[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
-# %% ../nbs/11_trainer.ipynb #c872d46e
+# %% ../nbs/11_trainer.ipynb #69b54094
 def scores_for(c: GRPOConfig, ent, logp, logp_old, logp_ref, adv, log_sumsq=None):
     "Scores (N, T) of the configured token selector."
     return token_scores(c.token_selection, ent, logp.detach(), logp_old, adv, logp_ref, log_sumsq,
@@ -146,6 +146,7 @@ def _rows(ro: Rollout, sl):
 
 def prompt_share_size(c: GRPOConfig, ro: Rollout, mb: int) -> int:
     "Group size for prompt sharing: the rollout's when micro-batches hold whole groups and sharing is on, else 1."
+    if c.gradient_checkpointing and torch.is_grad_enabled(): return 1   # a checkpointed layer keeps no KV cache to share
     return ro.group_size if c.share_prompt and ro.group_size > 1 and mb % ro.group_size == 0 else 1
 
 @torch.no_grad()

@@ -1,0 +1,38 @@
+"Every shipped config file loads: run configs through `load_config`, accelerate launch configs through accelerate's own reader."
+from pathlib import Path
+import pytest
+from mmrgrpo.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_run_config_loads(path):
+    c = load_config(path)
+    assert c.output_dir.startswith("runs/")
+
+
+def test_colab_config_is_the_tutorials_qlora_run():
+    c = load_config(CONFIGS / "colab_qlora.yaml")
+    assert (c.model, c.task, c.load_in_4bit, c.lora, c.mmr, c.dtype) == ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", True, True, True, "float32")
+    assert c.prune_rate > 0 and c.gradient_checkpointing and c.generation_backend == "vllm"
+
+
+@pytest.mark.parametrize("name,kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP"), ("deepspeed_zero2", "DEEPSPEED"),
+                                       ("deepspeed_zero3", "DEEPSPEED")])
+def test_accelerate_config_reads(name, kind):
+    from accelerate.commands.config.config_args import ClusterConfig
+    path = CONFIGS / "accelerate" / f"{name}.yaml"
+    cfg = ClusterConfig.from_yaml_file(path)
+    assert cfg.distributed_type == kind and cfg.num_processes == 2 and cfg.mixed_precision == "no"
+    if kind != "MULTI_GPU": assert "NOT SUPPORTED YET" in path.read_text()      # the file says so before anyone launches it
+    if name == "fsdp2": assert cfg.fsdp_config["fsdp_version"] == 2
+    if kind == "DEEPSPEED": assert cfg.deepspeed_config["zero_stage"] == int(name[-1])
+
+
+@pytest.mark.parametrize("var", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_sharded_launch_is_refused_not_silently_unsharded(monkeypatch, var):
+    from mmrgrpo.trainer import init_distributed
+    monkeypatch.setenv(var, "true")
+    with pytest.raises(ConfigError, match=f"{var}=true.*configs/accelerate/ddp.yaml"):
+        init_distributed()

@@ -63,7 +63,7 @@ class GenerationBackend(Protocol):
                  top_p: float = 1.0, seed: int = 0, greedy: bool = False) -> Rollout: ...
     def sync_weights(self, model) -> None: ...
 
-# %% ../nbs/04_sampling.ipynb #6324990b
+# %% ../nbs/04_sampling.ipynb #f2a17459
 class HFBackend:
     "Sample with `model.generate`: one batched call per step, left padding, KV cache, stop at EOS."
     def __init__(self, model, tokenizer, max_prompt_length: int = 512):
@@ -89,7 +89,9 @@ class HFBackend:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+                # sample from exactly the distribution the loss scores: override any model-config sampling extras
+                kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                                                 repetition_penalty=1.0, min_p=None, typical_p=1.0)
                 out = self.model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
                                           eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **kw)
         finally:

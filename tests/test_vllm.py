@@ -1,7 +1,7 @@
 """The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, and the module imports
 without vLLM. On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout of real outputs, LoRA and full-weight
 sync, sleep mode, the sampler/trainer log-prob gap, and a short training run with `generation_backend: vllm`."""
-import importlib.util
+import importlib.util, sys
 from types import SimpleNamespace
 import pytest, torch
 from mmrgrpo.config import load_config
@@ -120,3 +120,75 @@ def test_training_with_the_vllm_backend(tmp_path):
     res = train(c, progress=False)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward" in r] == [1, 2] and "eval/accuracy" in res.eval_after
+
+
+# ---------------------------------------------------------------- the backend's control flow, on the CPU, with a fake vLLM
+class FakeLLM:
+    "Records what the backend asks of vLLM; answers each request with seeded random tokens (stop id 2 or max_tokens)."
+    def __init__(self, **kw):
+        self.kw, self.calls, self.asleep, self.loaded = kw, [], False, []
+    def sleep(self, level=1): assert not self.asleep and level == 1; self.asleep = True; self.calls.append("sleep")
+    def wake_up(self): assert self.asleep; self.asleep = False; self.calls.append("wake")
+    def apply_model(self, f): assert not self.asleep; return [f(SimpleNamespace(load_weights=lambda w: self.loaded.append(dict(w))))]
+    def reset_prefix_cache(self): self.calls.append("reset")
+    def generate(self, requests, params, lora_request=None, use_tqdm=True):
+        assert not self.asleep and len(requests) == len(params)
+        self.calls.append(("generate", None if lora_request is None else lora_request.lora_int_id))
+        outs = []
+        for r, p in zip(requests, params):
+            g = torch.Generator().manual_seed(p.seed)
+            n = int(torch.randint(1, p.max_tokens + 1, (1,), generator=g))
+            ids = torch.randint(3, 100, (n,), generator=g).tolist()
+            if n < p.max_tokens or p.temperature == 0: ids[-1] = 2
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason="stop" if ids[-1] == 2 else "length",
+                                                                 logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])]))
+        return outs
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch):
+    made = []
+    def llm(**kw): made.append(FakeLLM(**kw)); return made[-1]
+    lora = SimpleNamespace(LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, lora_path=path))
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm, SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=lora))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    return made
+
+
+def test_backend_flow_lora(fake_vllm, tokenizer):
+    from pathlib import Path
+    from mmrgrpo.models import load_policy
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    model, tok = load_policy(c)
+    b = VLLMBackend(model, tok, c)
+    llm = fake_vllm[0]
+    assert llm.kw["enable_lora"] and llm.kw["max_lora_rank"] == 8 and llm.kw["enable_sleep_mode"] and llm.asleep
+    assert (Path(llm.kw["model"]) / "config.json").exists()            # tiny-random written out for the engine
+    prompts = [chat(tok, "What is 2 + 3?"), chat(tok, "Hi")]
+    ro = b.generate(prompts, 4, 8, seed=5)
+    assert llm.calls == ["sleep", "wake", ("generate", 1), "sleep"] and llm.asleep
+    assert ro.completion_ids.shape[0] == 8 and torch.equal(ro.completion_mask, completion_mask(ro.completion_ids, b.eos_ids))
+    assert torch.equal(b.generate(prompts, 4, 8, seed=5).completion_ids, ro.completion_ids)   # seeded per request
+    assert (ro.sampler_logprobs == -ro.completion_mask.float()).all()
+    for v in (2, 3, 4): b.sync_weights(model)                          # a new adapter version per update
+    assert b.lora_request.lora_int_id == 4 and (Path(b.lora_request.lora_path) / "adapter_config.json").exists()
+    assert sorted(p.name for p in b.folder.glob("adapter-*")) == ["adapter-3", "adapter-4"]
+    b.generate(prompts, 1, 8, greedy=True)
+    assert llm.calls[-2] == ("generate", 4)
+
+
+def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path):
+    from mmrgrpo.trainer import read_metrics, train
+    c = load_config(model="tiny-random", lora=False, beta=0.0, generation_backend="vllm", steps=2, num_generations=4,
+                    prompts_per_step=2, max_completion_length=6, eval_size=2, save_every=0, log_completions_every=0,
+                    output_dir=str(tmp_path))
+    res = train(c, progress=False)
+    llm = fake_vllm[0]
+    assert "enable_lora" not in llm.kw and len(llm.loaded) == 2         # the full weights, loaded once after each update
+    assert set(llm.loaded[-1]) == set(res.model.state_dict()) and torch.equal(
+        llm.loaded[-1]["model.norm.weight"], res.model.state_dict()["model.norm.weight"])
+    gens = [i for i, x in enumerate(llm.calls) if isinstance(x, tuple)]
+    assert all(llm.calls[i - 1] in ("wake", "reset") and llm.calls[i + 1] == "sleep" for i in gens)
+    assert llm.calls.count("reset") == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r] == [1, 2]

@@ -18,7 +18,7 @@ DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per
             learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=15, eval_size=64,
             eval_every=5, save_every=5, log_completions_every=5, output_dir="runs/demo", seed=0)
 
-# %% ../nbs/12_cli.ipynb #a913e734
+# %% ../nbs/12_cli.ipynb #a5924f8b
 def summary_table(res, wall: float) -> str:
     "Plain-text summary of a run: accuracy before/after and wall-clock per phase."
     rows = res.metrics
@@ -89,7 +89,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
 def demo(overrides=(), config=None) -> int:
     "Train SmolLM2-135M-Instruct with LoRA on two-digit sums, on the CPU; print a summary; save plots and metrics."
     from mmrgrpo.trainer import train, plot_rewards
-    c = load_config(config, overrides, **({} if config else {k: v for k, v in DEMO.items() if k not in _keys(overrides)}))
+    c = load_config(config, overrides, **({} if config else DEMO))
     t0 = time.perf_counter()
     res = train(c)
     wall = time.perf_counter() - t0
@@ -102,7 +102,6 @@ def demo(overrides=(), config=None) -> int:
     print(f"\nreward curve: {png}\nmetrics: {res.output_dir / 'metrics.jsonl'}")
     return 0
 
-def _keys(overrides): return {o.split("=", 1)[0] for o in overrides}
 
 def leave_process_group():
     "After a multi-process run: wait until rank 0 has written its last checkpoint, then leave the process group."

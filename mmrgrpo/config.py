@@ -183,7 +183,7 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
     return c
 
-# %% ../nbs/00_config.ipynb #fd3e2772
+# %% ../nbs/00_config.ipynb #d6a95b63
 _FIELDS = None
 
 def _fields():
@@ -213,14 +213,14 @@ def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:
     return check_config(GRPOConfig(**vals))
 
 def load_config(path=None, overrides=(), **kwargs) -> GRPOConfig:
-    "Read a YAML config file (optional), apply `key=value` overrides and keyword overrides, and check it all."
+    "Read a YAML config file (optional), apply keyword overrides, then `key=value` overrides (these win), and check it all."
     d = {}
     if path is not None:
         path = Path(path)
         if not path.exists(): raise ConfigError(f"config file {path} does not exist")
         d = yaml.safe_load(path.read_text()) or {}
         if not isinstance(d, dict): raise ConfigError(f"{path}: expected a mapping of key: value, got {type(d).__name__}")
-    d.update(parse_overrides(overrides)); d.update(kwargs)
+    d.update(kwargs); d.update(parse_overrides(overrides))
     return config_from_dict(d, source=str(path) if path else "config")
 
 def save_config(c: GRPOConfig, path):

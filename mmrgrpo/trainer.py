@@ -6,10 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['SHARDING_ENV', 'GLOBAL_METRICS', 'dist_info', 'all_reduce_sum', 'init_distributed', 'reduce_metrics', 'eval_source',
-           'build_prompt', 'step_seed', 'fit_prompts', 'Phases', 'score', 'advantages_for', 'prune', 'scores_for',
-           'prompt_share_size', 'batch_logprobs', 'update', 'MetricsLogger', 'read_metrics', 'rng_state',
-           'set_rng_state', 'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'completions_table',
-           'TrainResult', 'run_eval', 'train', 'plot_rewards']
+           'build_prompt', 'step_seed', 'fit_prompts', 'rss_high_water_mb', 'process_peak_rss_mb', 'Phases', 'score',
+           'advantages_for', 'prune', 'scores_for', 'prompt_share_size', 'batch_logprobs', 'update', 'MetricsLogger',
+           'read_metrics', 'rng_state', 'set_rng_state', 'save_checkpoint', 'latest_checkpoint', 'load_checkpoint',
+           'completions_table', 'TrainResult', 'run_eval', 'train', 'plot_rewards']
 
 # %% ../nbs/11_trainer.ipynb #5360aa2d
 import contextlib, functools, json, math, os, random, shutil, signal, sys, time
@@ -30,7 +30,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .evaluate import evaluate
 
-# %% ../nbs/11_trainer.ipynb #3fee2785
+# %% ../nbs/11_trainer.ipynb #924df3fe
 def dist_info():
     "(rank, world_size) of this process; (0, 1) without torch.distributed."
     import torch.distributed as dist
@@ -63,7 +63,7 @@ def init_distributed():
 GLOBAL_METRICS = ("loss", "kl", "clip_ratio", "entropy", "grad_norm", "nonfinite_updates", "tokens/kept_fraction", "learning_rate")
 
 def reduce_metrics(m: dict) -> dict:
-    "A step's metrics over all processes: `time/*` max, counts (ints) summed, other numbers averaged, `GLOBAL_METRICS` as they are."
+    "A step's metrics over all processes: `time/*` and `memory/*` max, counts (ints) summed, other numbers averaged, `GLOBAL_METRICS` as they are."
     import torch.distributed as dist
     rank, world = dist_info()
     if world == 1: return m
@@ -73,7 +73,7 @@ def reduce_metrics(m: dict) -> dict:
     for k, v in m.items():
         if k in GLOBAL_METRICS or isinstance(v, bool) or not isinstance(v, (int, float)): continue
         vals = [d[k] for d in every if k in d]
-        out[k] = max(vals) if k.startswith("time/") else sum(vals) if isinstance(v, int) else sum(vals) / len(vals)
+        out[k] = max(vals) if k.startswith(("time/", "memory/")) else sum(vals) if isinstance(v, int) else sum(vals) / len(vals)
     return out
 
 # %% ../nbs/11_trainer.ipynb #434bb7ae
@@ -98,17 +98,45 @@ def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train"
     if not keep: raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
     return [tasks[i] for i in keep], len(tasks) - len(keep)
 
-# %% ../nbs/11_trainer.ipynb #7e6382de
+# %% ../nbs/11_trainer.ipynb #f9c02874
+_PEAK_MB = 0.0   # this process's all-time peak resident memory, kept across the per-phase resets below
+
+def rss_high_water_mb(reset: bool = False):
+    "Peak resident memory (MB) of this process since the last `reset=True` (Linux: VmHWM); None where the OS cannot say."
+    global _PEAK_MB
+    try:
+        kb = next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError): return None
+    _PEAK_MB = max(_PEAK_MB, kb / 1024)
+    if reset:
+        try: Path("/proc/self/clear_refs").write_text("5")      # "5": reset the high-water mark to the current RSS
+        except OSError: pass
+    return kb / 1024
+
+def process_peak_rss_mb() -> float:
+    "The all-time peak resident memory of this process (MB), whatever `rss_high_water_mb` has reset since."
+    import resource
+    hwm = rss_high_water_mb()
+    return max(_PEAK_MB, hwm or 0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
 @dataclass
 class Phases:
-    "Wall-clock per phase of the current step (seconds), logged as time/<name>."
+    "Wall-clock (s) and peak resident memory (MB) per phase of the current step, logged as time/<name> and memory/<name>."
     t: dict = field(default_factory=dict)
+    mem: dict = field(default_factory=dict)
     @contextlib.contextmanager
     def __call__(self, name):
+        rss_high_water_mb(reset=True)
         t0 = time.perf_counter()
         try: yield
-        finally: self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-    def metrics(self): return {f"time/{k}": v for k, v in self.t.items()}
+        finally:
+            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+            peak = rss_high_water_mb()
+            if peak is not None: self.mem[name] = max(self.mem.get(name, 0.0), peak)
+    def metrics(self):
+        m = {f"time/{k}": v for k, v in self.t.items()}
+        if self.mem: m.update({f"memory/{k}": v for k, v in self.mem.items()}, **{"memory/peak": max(self.mem.values())})
+        return m
 
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
     "Weighted rewards (N,) and metrics for a rollout whose groups come from `records`."
@@ -116,7 +144,7 @@ def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple
     columns = {k: [r.get(k) for r in records for _ in range(G)] for k in records[0] if k != "question"}
     return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns, on_error=c.on_reward_error)
 
-# %% ../nbs/11_trainer.ipynb #af704a45
+# %% ../nbs/11_trainer.ipynb #12af2134
 def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embedder=None, phases=None) -> tuple:
     "Advantages (N,) from rewards, with MMR reweighting first when `c.mmr`; plus metrics."
     G, m, phases = rollout.group_size, {}, phases or Phases()
@@ -135,7 +163,7 @@ def prune(rollout: Rollout, adv: torch.Tensor, c: GRPOConfig) -> tuple:
     keep = keep_mask(adv, rollout.group_size, c.prune_rate, scope=c.prune_scope)
     return rollout.select(keep), adv[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
-# %% ../nbs/11_trainer.ipynb #69b54094
+# %% ../nbs/11_trainer.ipynb #0932e424
 def scores_for(c: GRPOConfig, ent, logp, logp_old, logp_ref, adv, log_sumsq=None):
     "Scores (N, T) of the configured token selector."
     return token_scores(c.token_selection, ent, logp.detach(), logp_old, adv, logp_ref, log_sumsq,
@@ -238,7 +266,7 @@ def update(model, optimizer, ro: Rollout, adv: torch.Tensor, c: GRPOConfig, ref_
     if sel: m["tokens/kept_fraction"] = kept_tokens / max(n_tok, 1)
     return m
 
-# %% ../nbs/11_trainer.ipynb #ebe61e40
+# %% ../nbs/11_trainer.ipynb #266b3aa8
 def _step_of(line: str) -> float:
     "The step of one metrics.jsonl line; inf for a blank line or one a crash cut short (so resuming drops it)."
     try: return json.loads(line).get("step", 0)
@@ -284,7 +312,7 @@ def read_metrics(path) -> list:
     "The rows of a metrics.jsonl file."
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
-# %% ../nbs/11_trainer.ipynb #a7c6e828
+# %% ../nbs/11_trainer.ipynb #ea049243
 def _fsync_tree(d: Path):
     for p in d.rglob("*"):
         if p.is_file():
@@ -345,7 +373,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(t["optimizer"]); scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
     return json.loads((path / "trainer_state.json").read_text())
 
-# %% ../nbs/11_trainer.ipynb #5f4824e3
+# %% ../nbs/11_trainer.ipynb #5b583396
 def completions_table(ro: Rollout, rewards, adv, n: int = 4, width: int = 70) -> str:
     "A plain-text table of the first `n` completions of a step: reward, advantage, text."
     lines = [f"{'reward':>7} {'adv':>7}  completion"]
@@ -465,7 +493,8 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
             if rank == 0:
                 bar.set_postfix(reward=f"{m['reward']:.2f}", kl=f"{m['kl']:.3f}")
                 tqdm.write(f"step {done}/{c.steps} reward={m['reward']:.3f} acc={m.get('rewards/accuracy_reward', float('nan')):.3f} "
-                           f"len={m['completion_length']:.1f} kl={m['kl']:.4f} loss={m['loss']:.4f} step_time={m['time/step']:.1f}s")
+                           f"len={m['completion_length']:.1f} kl={m['kl']:.4f} loss={m['loss']:.4f} step_time={m['time/step']:.1f}s"
+                           + (f" peak_mem={m['memory/peak'] / 1024:.1f}GB" if "memory/peak" in m else ""))
                 if c.log_completions_every and done % c.log_completions_every == 0:
                     tqdm.write(completions_table(ro, rewards, adv))
             if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:
@@ -487,7 +516,7 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
         if rank == 0: print("after training: " + ", ".join(f"{k}={v:.3f}" for k, v in eval_after.items()))
     return TrainResult(out, rows, eval_before, eval_after, model, tokenizer, backend)
 
-# %% ../nbs/11_trainer.ipynb #f71e3847
+# %% ../nbs/11_trainer.ipynb #76572c37
 def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_reward", "reward_mmr")):
     "Save a PNG of the training reward curves (and held-out accuracy points) from a metrics.jsonl."
     import matplotlib; matplotlib.use("Agg")

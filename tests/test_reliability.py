@@ -29,8 +29,8 @@ def cfg(out, **kw) -> GRPOConfig:
 
 
 def step_rows(out) -> list:
-    "The per-step rows of a run's metrics.jsonl, without wall-clock keys (time/*, eval/time)."
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eval/time"}
+    "The per-step rows of a run's metrics.jsonl, without measurement keys (time/*, memory/*, eval/time)."
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "eval/time"}
             for r in read_metrics(Path(out) / "metrics.jsonl") if "loss" in r]
 
 

@@ -1,5 +1,5 @@
 "End-to-end tests of the training loop: the real SmolLM2 model, resume, pruning's saving, token selection's identity case."
-import json, math
+import json, math, sys
 from pathlib import Path
 import pytest, torch
 from mmrgrpo.config import load_config
@@ -20,7 +20,7 @@ def _tiny(tmp_path, **kw):
 
 
 def _comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "eval/time"}
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and k != "eval/time"}
 
 
 def test_two_steps_on_real_smollm2_change_lora_and_log_everything(tmp_path):
@@ -40,6 +40,9 @@ def test_two_steps_on_real_smollm2_change_lora_and_log_everything(tmp_path):
     for r in steps:
         for k in TRL_NAMES + ["time/ref"]:
             assert k in r and math.isfinite(r[k]), k
+        if sys.platform == "linux":      # per-phase peak memory: the update holds the model plus its activations
+            assert r["memory/peak"] == max(v for k, v in r.items() if k.startswith("memory/") and k != "memory/peak")
+            assert 300 < r["memory/update"] < 20_000, r["memory/update"]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     assert res.eval_before and res.eval_after
     assert (tmp_path / "checkpoint-2" / "adapter" / "adapter_model.safetensors").exists()

@@ -8,8 +8,8 @@ from the same initial LoRA weights and a fresh AdamW, so only the arm's setting 
   (reference pass + forward/backward + optimizer step);
 - `P=0 gmts`: the update with GMTS token selection (its `time/select` share of the update);
 - `P=0 no-share`: the update with `share_prompt=False` (each completion runs its own copy of the prompt);
-- `P=0 mb=32`, `mb=16`, `mb=8`: the update in micro-batches of that many completions (whole groups, so prompt sharing
-  stays on) instead of all 64 at once: time and the update's peak resident memory;
+- `P=0 mb=64`, `mb=32`, `mb=16`, `mb=8`: the update in micro-batches of that many completions (whole groups, so prompt
+  sharing stays on), against the default (`micro_batch_size=0`: 16 here on a CPU): time and the update's peak resident memory;
 - `mmr`: embedding the 64 completions and the MMR reweighting (`time/mmr` of the trainer's `advantages_for`).
 
 The arms are interleaved (round-robin, order reversed every other round) and repeated `--repeats` times after `--warmup`
@@ -80,7 +80,8 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    MB = [m for m in (32, 16, 8) if m < N and N % m == 0 and m % c.num_generations == 0]
+    auto_mb = tr.auto_micro_batch(N, c.num_generations, T) if not c.micro_batch_size else c.micro_batch_size
+    MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}
     c_mmr = dataclasses.replace(c, mmr=True)
@@ -97,6 +98,7 @@ def main(argv=None):
             if rep >= 0: raw[name].append({"total": ph.t["mmr"]})
             continue
         cc = cfgs[name]
+        bl.release_memory()          # what the previous arm's allocator kept would otherwise count in this arm's peak
         opt = fresh_optimizer()
         ph, counter = tr.Phases(), {}
         t0 = time.perf_counter()
@@ -139,8 +141,9 @@ def main(argv=None):
             "update_ratio_vs_none": upd_s / t0u, "tokens_kept_fraction": sel[0]["tokens/kept_fraction"]}
     share = {"share_s": t0u, "no_share_s": med["P=0 no-share"], "ratio_share_over_no_share": t0u / med["P=0 no-share"]}
     peak = lambda k: max((x["peak_mb"] or 0.0) for x in raw[k])
-    micro = [{"micro_batch": mb, "update_s": med[k], "update_ratio": med[k] / t0u, "peak_mb": peak(k),
-              "peak_ratio": peak(k) / peak("P=0")} for mb, k in [(N, "P=0")] + [(m, f"P=0 mb={m}") for m in MB]]
+    micro = sorted([{"micro_batch": mb, "update_s": med[k], "update_ratio": med[k] / t0u, "peak_mb": peak(k),
+                     "peak_ratio": peak(k) / peak("P=0"), "arm": k}
+                    for mb, k in [(auto_mb, "P=0")] + [(m, f"P=0 mb={m}") for m in MB]], key=lambda r: -r["micro_batch"])
     mmr = {"mmr_s": med["mmr"], "step_with_mmr_s": step0 + med["mmr"], "fraction_of_step": med["mmr"] / (step0 + med["mmr"])}
     # padding the kept batch still carries: width of the kept batch vs its longest kept completion
     pad = {r["P"]: {"kept_width": raw[f"P={r['P']:g}"][0]["kept_width"], "kept_longest": raw[f"P={r['P']:g}"][0]["kept_longest"]}
@@ -160,14 +163,15 @@ def main(argv=None):
     print(f"GMTS token selection: {sel_s:.3f}s = {gmts['select_fraction_of_update']:.2%} of its update phase "
           f"({upd_s:.2f}s; {gmts['update_ratio_vs_none']:.3f}x the update without selection)")
     print(f"prompt sharing: update {t0u:.2f}s with, {share['no_share_s']:.2f}s without: ratio {share['ratio_share_over_no_share']:.3f}")
-    print(f"\nmicro-batches (P=0; peak = the ref + update phases' peak resident memory of the whole process)")
-    print(bl.table(micro, ["micro_batch", "update_s", "update_ratio", "peak_mb", "peak_ratio"],
+    print(f"\nmicro-batches (P=0; the default micro_batch_size=0 chose {auto_mb}; peak = the whole process's peak resident "
+          "memory during the ref + update phases, the allocator's free memory released before each arm)")
+    print(bl.table(micro, ["arm", "micro_batch", "update_s", "update_ratio", "peak_mb", "peak_ratio"],
                    {"update_s": ".2f", "update_ratio": ".3f", "peak_mb": ".0f", "peak_ratio": ".3f"}))
     out = {"name": "overheads", "quick": args.quick, "config": dataclasses.asdict(c), "repeats": repeats,
            "rollout": {"rows": N, "prompt_width": ro.prompt_ids.shape[1], "completion_width": T,
                        "valid_tokens": int(ro.completion_mask.sum()), "mean_reward": rewards.mean().item()},
            "generate_s": gen_t, "pruning": prune_rows, "update_vs_kept_fit": fit, "pruned_rows_skip_model": rows_ok,
-           "kept_batch_padding": pad, "mmr": mmr, "token_selection": gmts, "prompt_sharing": share, "micro_batches": micro,
+           "kept_batch_padding": pad, "mmr": mmr, "token_selection": gmts, "prompt_sharing": share, "micro_batches": micro, "auto_micro_batch": auto_mb,
            "medians": med, "raw": raw, "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("overheads", args.quick), out)
     print(f"wrote {p}")

@@ -76,6 +76,7 @@ def main(argv=None):
         row["gen_pos_per_s"] = s["rows"] * s["gen_len"] / row["generate"]
         row["mean_reward"] = r.get("reward"); row["completion_length"] = r.get("completion_length")
         row["tokens/kept_fraction"] = r.get("tokens/kept_fraction")
+        row.update({f"mem_{p}": r[f"memory/{p}"] for p in PHASES if f"memory/{p}" in r})
         rows.append(row)
     timed = rows[1:] if len(rows) > 1 else rows
     cols = PHASES + ["other", "step_s", "valid_tok_per_s", "gen_pos_per_s"]
@@ -90,11 +91,16 @@ def main(argv=None):
                    [{"phase": "step", "seconds": med["step_s"], "share_of_step": 1.0}],
                    ["phase", "seconds", "share_of_step"], {"seconds": ".2f", "share_of_step": ".1%"}))
     print(f"\ngeneration: {med['valid_tok_per_s']:.0f} valid completion tokens/s, {med['gen_pos_per_s']:.0f} generated positions/s")
+    mem = {p: max(r[f"mem_{p}"] for r in rows if f"mem_{p}" in r) for p in PHASES if any(f"mem_{p}" in r for r in rows)}
+    if mem:
+        print("\npeak resident memory of the whole process during each phase (MiB, max over steps; the trainer resets the "
+              "high-water mark when a phase starts)")
+        print(bl.table([{"phase": p, "peak_mb": v} for p, v in mem.items()], ["phase", "peak_mb"], {"peak_mb": ".0f"}))
     rss_self, rss_children = bl.peak_rss_mb(), bl.peak_rss_mb(bl.resource.RUSAGE_CHILDREN)
     print(f"peak RSS: {rss_self:.0f} MiB (this process), {rss_children:.0f} MiB (largest child: reward workers)")
     from dataclasses import asdict
     out = {"name": "step_anatomy", "quick": args.quick, "config": asdict(c), "steps": rows, "warmup_steps": 1,
-           "median": med, "share_of_step": share, "peak_rss_mb": rss_self, "peak_rss_children_mb": rss_children,
+           "median": med, "share_of_step": share, "phase_peak_rss_mb": mem, "peak_rss_mb": rss_self, "peak_rss_children_mb": rss_children,
            "train_wall_s": wall, "meta": bl.finish_meta(meta),
            "notes": "times in seconds from the trainer's time/* metrics; other = time/step - sum of the listed phases; "
                     "valid_tok_per_s = completion tokens up to EOS / time/generate; gen_pos_per_s = rows x longest "

@@ -27,7 +27,7 @@ def _f(default, help: str):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
-# %% ../nbs/00_config.ipynb #df419172
+# %% ../nbs/00_config.ipynb #3bc0da58
 @dataclass
 class GRPOConfig:
     "All settings of a GRPO run. See each field's help; `load_config` reads them from YAML plus overrides."
@@ -54,7 +54,7 @@ class GRPOConfig:
     # --- sampling
     num_generations: int = _f(8, "G: completions sampled per prompt (a group)")
     prompts_per_step: int = _f(8, "B: prompts per step (all ranks together), so B*G completions per step")
-    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = all of a step's (kept) completions at once")
+    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic: on a GPU all of a step's (kept) completions at once, on a CPU whole groups of about 1024 completion positions")
     max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are a data error")
     max_completion_length: int = _f(32, "new tokens sampled per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
@@ -73,7 +73,7 @@ class GRPOConfig:
     eps_high: Optional[float] = _f(None, "upper clip range (None: 0.2, or 0.28 for dapo)")
     scale_rewards: Literal["group", "batch", "none"] = _f("group", "divide advantages by the group's std, the batch's, or not at all")
     num_iterations: int = _f(1, "optimisation passes over each batch of completions")
-    share_prompt: bool = _f(True, "in the update, run each group's prompt once and share its KV cache across the group's completions")
+    share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group's completions (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
@@ -139,7 +139,7 @@ def _check_type(name, value, tp):
     if tp is list and not isinstance(value, list): raise ConfigError(f"{name}={value!r} must be a list, e.g. [a, b]")
     return value
 
-# %% ../nbs/00_config.ipynb #3190b437
+# %% ../nbs/00_config.ipynb #908c712f
 def prompts_to_sample(prompts_per_step: int, prune_rate: float, allocation: bool) -> int:
     "Prompts sampled per step: B, or round(B / (1 - P)) with allocation on."
     return allocated_prompts(prompts_per_step, prune_rate) if allocation else prompts_per_step
@@ -158,7 +158,7 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(n_prompts % world_size == 0, f"prompts_per_step={c.prompts_per_step} ({n_prompts} sampled) is not divisible by the "
          f"{world_size} processes: each process takes whole groups, so make it a multiple of {world_size}")
     kept = n_prompts // world_size * k
-    need(c.micro_batch_size >= 0, f"micro_batch_size={c.micro_batch_size}: use 0 (everything at once) or a positive number")
+    need(c.micro_batch_size >= 0, f"micro_batch_size={c.micro_batch_size}: use 0 (automatic) or a positive number")
     need(not c.micro_batch_size or kept % c.micro_batch_size == 0,
          f"micro_batch_size={c.micro_batch_size} does not divide the {kept} completions each process updates per step "
          f"({n_prompts // world_size} prompts x {k} kept per group): per-device batch counts completions, not prompts; "

@@ -7,11 +7,12 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/loss.html.md"""
 # %% auto #0
 __all__ = ['LOSS_TYPES', 'token_stats', 'completion_stats', 'per_token_loss', 'aggregate_loss', 'masked_mean']
 
-# %% ../nbs/06_loss.ipynb #d47b4347
-import inspect, math
+# %% ../nbs/06_loss.ipynb #b8ea9e75
+import math
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from .sampling import cache_kwarg, output_cache
 
 # %% ../nbs/06_loss.ipynb #122f45da
 def _chunk_stats(h, targets, lm_head, temperature, with_sumsq):
@@ -42,11 +43,7 @@ def token_stats(hidden: torch.Tensor,         # (N, T, D) final hidden states at
     logp, ent, lsq = (torch.cat(o).reshape(N, T) for o in zip(*outs))
     return logp, ent.detach(), (lsq.detach() if with_sumsq else None)
 
-# %% ../nbs/06_loss.ipynb #225c42e2
-def _cache_kwarg(body) -> str:
-    "The name under which this transformers version takes a KV cache (`cache` since 5.x, `past_key_values` before)."
-    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
-
+# %% ../nbs/06_loss.ipynb #bc52542f
 def _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size):
     "Final hidden states (N, T, D) predicting the completion tokens, running each group's prompt once."
     g = group_size
@@ -56,11 +53,11 @@ def _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, complet
     h_last = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)            # (N, 1, D): predicts completion token 0
     T = completion_ids.shape[1]
     if T == 1: return h_last
-    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache = output_cache(out)
     cache.batch_repeat_interleave(g)                                           # differentiable: grads flow into the prompt pass
     pos = prompt_mask.long().sum(-1, keepdim=True) + torch.arange(T - 1, device=prompt_ids.device)
     mask = torch.cat([prompt_mask, completion_mask[:, :-1]], 1)
-    kw = {_cache_kwarg(body): cache}
+    kw = {cache_kwarg(body): cache}
     h = body(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=pos, use_cache=False,
              **kw).last_hidden_state                                          # (N, T-1, D)
     return torch.cat([h_last, h], 1)

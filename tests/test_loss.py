@@ -76,3 +76,26 @@ def test_chunking_bounds_memory_and_is_exact():
     a = token_stats(h, y, head, chunk_size=37)[0]
     b = token_stats(h, y, head, chunk_size=10_000)[0]
     assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_eager_and_sdpa_attention_agree_with_padding(tokenizer, group_size):
+    """Left-padded prompts (some query positions see only padding) give finite, equal log-probs and gradients under both kernels.
+    In float32 (and bf16): in float64, transformers' eager attention takes the softmax in float32, where float64's mask minimum
+    becomes -inf, so fully padded query rows come out NaN. That is transformers', and nobody trains in float64."""
+    from mmrgrpo.models import tiny_random_model
+    torch.manual_seed(0)
+    N, P, T = 4, 6, 5
+    p_ids = torch.randint(1, 1000, (N // 2, P)).repeat_interleave(2, 0); c_ids = torch.randint(1, 1000, (N, T))
+    p_mask = torch.ones(N, P, dtype=torch.long); p_mask[2:, :3] = 0          # the second group's prompt is left-padded
+    c_mask = torch.ones(N, T, dtype=torch.long); c_mask[1, 2:] = 0
+    out = {}
+    for impl in ("sdpa", "eager"):
+        m = tiny_random_model(tokenizer, seed=0)
+        m.set_attn_implementation(impl)
+        lp, _, _ = completion_stats(m, p_ids, p_mask, c_ids, c_mask, group_size=group_size)
+        grads = torch.autograd.grad((lp * c_mask).sum(), list(m.parameters()))
+        assert torch.isfinite(lp).all() and all(torch.isfinite(g).all() for g in grads), impl
+        out[impl] = (lp, grads)
+    assert torch.allclose(out["sdpa"][0], out["eager"][0], atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(out["sdpa"][1], out["eager"][1]))

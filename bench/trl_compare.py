@@ -101,7 +101,7 @@ def worker_trl(cfg: dict, extra: list) -> dict:
                           per_device_train_batch_size=c.prompts_per_step * c.num_generations, gradient_accumulation_steps=1,
                           num_generations=c.num_generations, max_completion_length=c.max_completion_length,
                           temperature=c.temperature, top_p=c.top_p, top_k=0, beta=c.beta_, loss_type=c.loss_type,
-                          epsilon=c.eps_low, epsilon_high=c.eps_high_, scale_rewards=c.scale_rewards, num_iterations=1,
+                          epsilon=c.eps_low, epsilon_high=c.eps_high_, scale_rewards=c.scale_rewards_, num_iterations=1,
                           learning_rate=c.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
                           weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, optim="adamw_torch",
                           max_steps=c.steps, logging_steps=1, save_strategy="no", report_to="none", seed=c.seed,

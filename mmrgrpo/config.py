@@ -9,13 +9,13 @@ __all__ = ['ConfigError', 'GRPOConfig', 'prompts_to_sample', 'check_config', 'pa
            'save_config']
 
 # %% ../nbs/00_config.ipynb #6f62149c
-import dataclasses, math, os, types, typing
+import dataclasses, math, os, types, typing, warnings
 from dataclasses import dataclass, field, fields, asdict
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal, Optional
 import yaml
-from .pruning import kept_count, allocated_prompts
+from .pruning import exact_rate, pruned_count, allocated_prompts
 
 # %% ../nbs/00_config.ipynb #7dde2eaa
 class ConfigError(ValueError):
@@ -34,8 +34,10 @@ class GRPOConfig:
     # --- model and adapter
     model: str = _f("smollm2", "policy: 'smollm2' (the embedded SmolLM2-135M-Instruct), a hub id, a local folder, or a .gguf file")
     gguf_file: Optional[str] = _f(None, "GGUF file name inside `model` when `model` is a folder or hub repo holding one")
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the policy weights")
-    autocast_bf16: bool = _f(False, "run the update's forward/backward under bf16 autocast (fast on CPUs with AVX512-BF16/AMX and on GPUs)")
+    trust_remote_code: bool = _f(False, "run Python code that a model ships (an auto_map in its config) for the policy, tokenizer, "
+                                        "embedding model and vLLM; false: such a model is refused. Turn on only for code you trust")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "dtype of the policy's weights; 'auto': float32 on a CPU and for full fine-tuning, and for a frozen LoRA/QLoRA base on a GPU its fast 16-bit dtype (bfloat16 at compute capability >= 8.0, float16 below); a trained adapter stays float32")
+    autocast_bf16: typing.Union[bool, Literal["auto"]] = _f("auto", "autocast the update's forward/backward: true = bf16, false = off, 'auto' = bf16 where the hardware runs it fast (CPU flags avx512_bf16/amx_bf16, CUDA capability >= 8.0), fp16 on older GPUs (7.x), off otherwise; log-probs, ratios and the loss stay float32")
     lora: bool = _f(True, "train a LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r)")
@@ -71,27 +73,32 @@ class GRPOConfig:
     beta: Optional[float] = _f(None, "KL penalty weight (None: 0.04 for grpo/dr_grpo, 0 for dapo)")
     eps_low: float = _f(0.2, "lower clip range of the ratio")
     eps_high: Optional[float] = _f(None, "upper clip range (None: 0.2, or 0.28 for dapo)")
-    scale_rewards: Literal["group", "batch", "none"] = _f("group", "divide advantages by the group's std, the batch's, or not at all")
+    scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(None, "divide advantages by the group's std, the batch's, or not at all (None: 'none' for dr_grpo, which removes the std, else 'group')")
     num_iterations: int = _f(1, "optimisation passes over each batch of completions")
     share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group's completions (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
-    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', or 'package.module:function'")
+    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', or 'package.module:function', "
+                            "which is imported (its code runs) when the config is checked: a config file is code")
     reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1)")
     reward_timeout: float = _f(2.0, "seconds allowed to verify one completion; slower ones score 0 and are counted")
     on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
     # --- the three accelerations
-    mmr: bool = _f(False, "MMR-GRPO: down-weight near-duplicate completions before computing advantages")
+    mmr: bool = _f(False, "MMR-GRPO: down-weight near-duplicate completions before computing advantages (shorthand for reweight=mmr)")
+    reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' (MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
     mmr_lambda: Optional[float] = _f(None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
     mmr_first_pick: Literal["raw", "scaled"] = _f("raw", "the first pick keeps its raw reward ('raw', reference code) or lambda*r")
+    mmr_tie_break: Literal["distinct", "index"] = _f("distinct", "equal MMR scores (e.g. a group whose rewards are all equal): the completion least similar to the rest first ('distinct'), or the lowest row ('index', reference code)")
     mmr_scope: Literal["group", "batch"] = _f("group", "MMR per group, or one greedy pass over the batch (reproduces the reference code)")
     embedding_model: Optional[str] = _f(None, "sentence-transformers model for MMR (None: embedded all-MiniLM-L6-v2)")
     prune_rate: float = _f(0.0, "CPPO: fraction P of completions per group dropped (smallest |advantage|) before the update")
     prune_scope: Literal["group", "batch"] = _f("group", "prune within each group, or over the whole batch")
+    prune_mode: Literal["abs_adv", "random", "largest"] = _f("abs_adv", "which completions survive: the largest |advantage| (CPPO), or the paper's ablations 'random' and 'largest' (drop the largest |advantage|)")
     allocation: bool = _f(False, "sample round(B/(1-P)) prompts so the kept batch matches an unpruned one")
     token_selection: Literal["none", "gmts", "entropy", "logit_grad"] = _f("none", "train only on the top tokens by this score")
     keep_ratio: float = _f(0.2, "fraction of tokens kept by token selection, in (0, 1]")
+    token_selection_inverse: bool = _f(False, "keep the LOWEST-scored tokens instead (the GMTS paper's ablation)")
     # --- schedule, evaluation, checkpoints, logging
     steps: int = _f(20, "training steps")
     seed: int = _f(0, "seed for prompts, sampling and initialisation")
@@ -104,12 +111,19 @@ class GRPOConfig:
     output_dir: str = _f("runs/latest", "folder for metrics.jsonl, checkpoints, plots")
     log_with: list = _f(["jsonl"], "metric sinks: any of jsonl (always on), tensorboard, trackio, wandb")
     resume_from: Optional[str] = _f(None, "checkpoint folder to continue from, or 'latest' (the newest in output_dir)")
+    overwrite: bool = _f(False, "a new run in an output_dir holding a run (checkpoints, metrics) first removes that run's files; "
+                                "false: such a run is refused")
     threads: int = _f(0, "torch CPU threads (0: torch's default)")
 
     @property
     def beta_(self) -> float:
         "The KL weight in effect."
         return self.beta if self.beta is not None else (0.0 if self.loss_type == "dapo" else 0.04)
+
+    @property
+    def scale_rewards_(self) -> str:
+        "The advantage scaling in effect."
+        return self.scale_rewards if self.scale_rewards is not None else ("none" if self.loss_type == "dr_grpo" else "group")
 
     @property
     def eps_high_(self) -> float:
@@ -121,7 +135,14 @@ def _check_type(name, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args: return value
-        return _check_type(name, value, next(a for a in args if a is not type(None)))
+        options = [a for a in args if a is not type(None)]
+        for a in options:                       # the first type the value fits, e.g. true/false or 'auto'
+            try: return _check_type(name, value, a)
+            except ConfigError as e: err = e
+        if len(options) == 1: raise err
+        kinds = ["true or false" if a is bool else " or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
+                 else a.__name__ for a in options]
+        raise ConfigError(f"{name}={value!r} must be {' or '.join(kinds)}")
     if origin is Literal:
         if value not in args: raise ConfigError(f"{name}={value!r} is not one of {list(args)}")
         return value
@@ -150,20 +171,33 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
         if not ok: raise ConfigError(msg)
     hints = typing.get_type_hints(GRPOConfig)
     for f in fields(c): setattr(c, f.name, _check_type(f.name, getattr(c, f.name), hints[f.name]))   # also for configs built in code
+    for f in fields(c):       # YAML reads .inf and .nan as numbers
+        v = getattr(c, f.name)
+        need(not isinstance(v, float) or math.isfinite(v), f"{f.name}={v}: must be a finite number")
     need(c.num_generations >= 2, f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
     need(c.prompts_per_step >= 1, f"prompts_per_step={c.prompts_per_step}: use at least 1")
-    try: k = kept_count(c.num_generations, c.prune_rate)       # the pruning notebook's exact count; raises when it is 0
-    except ValueError as e: raise ConfigError(f"{e} (num_generations={c.num_generations})") from None
+    try: P = exact_rate(c.prune_rate); need(0 <= P < 1, "")
+    except (ValueError, ConfigError): raise ConfigError(f"prune_rate={c.prune_rate}: the share of completions to prune must be in [0, 1)") from None
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
     need(n_prompts % world_size == 0, f"prompts_per_step={c.prompts_per_step} ({n_prompts} sampled) is not divisible by the "
          f"{world_size} processes: each process takes whole groups, so make it a multiple of {world_size}")
-    kept = n_prompts // world_size * k
+    rows = n_prompts // world_size * c.num_generations       # completions each process samples per step
+    pruned = pruned_count(c.num_generations, P) * (n_prompts // world_size) if c.prune_scope == "group" else pruned_count(rows, P)
+    if P and not pruned:
+        unit = f"num_generations={c.num_generations}" if c.prune_scope == "group" else f"the {rows} completions of a step"
+        warnings.warn(f"prune_rate={c.prune_rate} prunes nothing: floor({c.prune_rate} x {unit}) = 0 (pruning never drops more "
+                      "than asked); raise prune_rate or num_generations, or set prune_rate=0", stacklevel=2)
+    kept = rows - pruned
     need(c.micro_batch_size >= 0, f"micro_batch_size={c.micro_batch_size}: use 0 (automatic) or a positive number")
     need(not c.micro_batch_size or kept % c.micro_batch_size == 0,
          f"micro_batch_size={c.micro_batch_size} does not divide the {kept} completions each process updates per step "
-         f"({n_prompts // world_size} prompts x {k} kept per group): per-device batch counts completions, not prompts; "
-         f"pick a divisor of {kept}")
+         f"({rows} sampled, {pruned} pruned): per-device batch counts completions, not prompts; pick a divisor of {kept}")
     need(0 < c.keep_ratio <= 1, f"keep_ratio={c.keep_ratio}: must be in (0, 1]")
+    need(c.keep_ratio >= 1e-6, f"keep_ratio={c.keep_ratio}: keeps no token of a group (use at least 1e-6); a run on no token learns nothing")
+    if c.mmr:
+        need(c.reweight in ("none", "mmr"), f"mmr=true and reweight={c.reweight!r} contradict each other: set one of them")
+        c.reweight = "mmr"
+    c.mmr = c.reweight == "mmr"
     need(c.mmr_lambda is None or 0 < c.mmr_lambda <= 1, f"mmr_lambda={c.mmr_lambda}: must be in (0, 1], or null for adaptive")
     need(c.max_completion_length >= 1, f"max_completion_length={c.max_completion_length}: use at least 1")
     need(c.max_prompt_length >= 1, f"max_prompt_length={c.max_prompt_length}: use at least 1")
@@ -181,7 +215,43 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(not bad, f"log_with has unknown sinks {sorted(bad)}: use jsonl, tensorboard, trackio, wandb")
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
+    need(not (c.overwrite and c.resume_from), f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
+    _check_ranges(c, need)
+    _check_reward_funcs(c)
     return c
+
+def _check_ranges(c: GRPOConfig, need):
+    "Numbers that would fail later with a raw error, or silently invert training (a negative learning rate is ascent)."
+    need(c.lora_r >= 1, f"lora_r={c.lora_r}: the LoRA rank must be at least 1")
+    need(c.lora_alpha > 0, f"lora_alpha={c.lora_alpha}: must be > 0 (the adapter's scale is lora_alpha / lora_r)")
+    need(0 <= c.lora_dropout < 1, f"lora_dropout={c.lora_dropout}: must be in [0, 1)")
+    need(c.weight_decay >= 0, f"weight_decay={c.weight_decay}: must be >= 0 (0: no decay)")
+    need(c.warmup_steps >= 0, f"warmup_steps={c.warmup_steps}: must be >= 0 (0: no warm-up); a negative value gives a "
+         "negative learning rate, which climbs the loss")
+    need(c.max_grad_norm >= 0, f"max_grad_norm={c.max_grad_norm}: must be >= 0 (0 disables clipping); a negative norm flips "
+         "the gradients")
+    need(c.reward_timeout > 0, f"reward_timeout={c.reward_timeout}: must be > 0 seconds")
+    need(c.threads >= 0, f"threads={c.threads}: use 0 (torch's default) or a positive number")
+    need(0 < c.vllm_gpu_memory_utilization <= 1, f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization}: must be in (0, 1]")
+    need(0 <= c.seed < 2**31, f"seed={c.seed}: use 0 to {2**31 - 1}")
+    for name in ("eval_every", "eval_size", "eval_samples", "save_every", "log_completions_every"):
+        need(getattr(c, name) >= 0, f"{name}={getattr(c, name)}: must be >= 0 (0 turns it off)")
+    need(c.reward_weights is None or all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                                         for w in c.reward_weights),
+         f"reward_weights={c.reward_weights}: each weight must be a finite number")
+    need(c.output_dir.strip() != "", f"output_dir={c.output_dir!r}: empty means the current folder, where the run would write and "
+         "prune checkpoint-* folders: name a folder, e.g. runs/latest (or '.' if you mean the current folder)")
+    from mmrgrpo.data import DEFAULT_SHOTS, task_family
+    for t in dict.fromkeys(filter(None, (c.task, c.eval_task))):
+        n = len(DEFAULT_SHOTS[task_family(t)])
+        need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for {task_family(t)} "
+             f"tasks ({t!r}): use 0 to {n}")
+
+def _check_reward_funcs(c: GRPOConfig):
+    "Import the reward functions now, before any model loads: a 'package.module:function' entry runs that module's code."
+    from mmrgrpo.rewards import get_reward_funcs
+    try: get_reward_funcs(c.reward_funcs)
+    except ValueError as e: raise ConfigError(f"reward_funcs: {e}") from None
 
 # %% ../nbs/00_config.ipynb #d6a95b63
 _FIELDS = None

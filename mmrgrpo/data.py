@@ -7,17 +7,17 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 # %% auto #0
 __all__ = ['ARITHMETIC_LEVELS', 'READERS', 'KNOWN_DATASETS', 'TRAIN_SEED', 'EVAL_SEED', 'DEFAULT_INSTRUCTION', 'DEFAULT_SHOTS',
            'DataError', 'arithmetic_task', 'arithmetic_tasks', 'ArithmeticStream', 'tasks_for_step', 'gsm8k_gold',
-           'local_copy', 'load_tasks', 'task_source', 'task_family', 'default_shots', 'format_prompt',
+           'local_copy', 'load_tasks', 'task_source', 'holds_out_rows', 'split_held_out', 'task_family', 'default_shots', 'format_prompt',
            'check_prompt_lengths']
 
 # %% ../nbs/02_data.ipynb #847b2675
-import json, logging, os, random
+import json, logging, numbers, os, random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
-from .rewards import parse_gold
+from .rewards import check_golds, _clip
 
 _log = logging.getLogger(__name__)
 
@@ -147,33 +147,49 @@ def gsm8k_gold(solution: str) -> str:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 def _to_record(row: dict, question_field: str = "question", answer_field: str = "answer", gold=None) -> dict:
-    "A validated task record from one raw row; raises _BadRow saying what is wrong."
+    "A task record from one raw row, its gold answer not yet parsed (see `_collect`); raises _BadRow saying what is wrong."
     for f in (question_field, answer_field):
         if row.get(f) is None:
             which = "question_field" if f == question_field else "answer_field"
-            raise _BadRow(f"no field {f!r} (fields: {', '.join(map(str, row)) or 'none'}); pass {which}= to name the right one")
-    question, raw = str(row[question_field]), str(row[answer_field])
+            raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); pass {which}= to name the right one")
+    question, raw = str(row[question_field]), row[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
+    if isinstance(raw, bool) or not isinstance(raw, (str, numbers.Real)):     # true would become the text 'True'
+        raise _BadRow(f"gold answer {_clip(repr(raw))} is a {type(raw).__name__}: write it as a string or a number")
+    raw = str(raw)
     answer = gold(raw) if gold else raw.strip()
-    try: parse_gold(answer)
-    except ValueError as e:
-        raise _BadRow(f"gold answer {answer!r} cannot be parsed ({e}); fix the row or pass skip_bad_rows=True") from None
     extra = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
     if gold: extra["solution"] = raw
     return {"question": question, "answer": answer, **extra}
 
-def _collect(rows, name, limit=None, skip_bad_rows=False, **record_kw):
-    "Records from `(row, dict | _BadRow)` pairs: the first bad row is a DataError, or (skipping) it is counted."
-    records, skipped = [], 0
+def _next_rows(rows, want: Optional[int], stop_at_bad: bool, **record_kw) -> list:
+    "Up to `want` (None: all) well-formed records from `rows` as (row, record) pairs, with the bad rows met on the way as (row, _BadRow)."
+    out, good = [], 0
     for row, obj in rows:
-        if limit is not None and len(records) >= limit: break
         try:
             if isinstance(obj, _BadRow): raise obj
-            records.append(_to_record(obj, **record_kw))
+            out.append((row, _to_record(obj, **record_kw)))
+            good += 1
         except _BadRow as e:
-            if not skip_bad_rows: raise DataError(f"{name} row {row}: {e}") from None
+            out.append((row, e))
+            if stop_at_bad: break
+        if want is not None and good >= want: break
+    return out
+
+def _collect(rows, name, limit=None, skip_bad_rows=False, gold_timeout: float = 2.0, **record_kw):
+    "Records from `(row, dict | _BadRow)` pairs, their gold answers parsed in the verifier processes within `gold_timeout` s each: the first bad row is a DataError, or (skipping) it is counted."
+    records, skipped, rows = [], 0, iter(rows)
+    while limit is None or len(records) < limit:
+        batch = _next_rows(rows, None if limit is None else limit - len(records), not skip_bad_rows, **record_kw)
+        if not batch: break
+        reasons = iter(check_golds([r["answer"] for _, r in batch if isinstance(r, dict)], gold_timeout))
+        for row, r in batch:
+            if isinstance(r, dict):
+                if (why := next(reasons)) is None: records.append(r); continue
+                r = f"gold answer {_clip(repr(r['answer']))} {why}; fix the row or pass skip_bad_rows=True"
+            if not skip_bad_rows: raise DataError(f"{name} row {row}: {r}")
             skipped += 1
-            if skipped <= 3: _log.warning(f"skipping {name} row {row}: {e}")
+            if skipped <= 3: _log.warning(f"skipping {name} row {row}: {r}")
     if skipped: _log.warning(f"{name}: skipped {skipped} bad row(s), kept {len(records)}")
     if not records: raise DataError(f"{name}: no usable rows" + (f" ({skipped} bad ones skipped)" if skipped else ""))
     return records, skipped
@@ -208,6 +224,12 @@ def _hub_rows(name: str, config: Optional[str], split: str, looked: str = ""):
 # %% ../nbs/02_data.ipynb #e664a8cc
 def _is_arithmetic(source: str) -> bool: return source == "arithmetic" or source.startswith("arithmetic:")
 
+def _is_file(source: str) -> bool:
+    "True when `load_tasks` reads `source` as a file (rather than built-in tasks, a known dataset or a hub dataset)."
+    if _is_arithmetic(source) or source in KNOWN_DATASETS: return False
+    path = Path(source).expanduser()
+    return path.suffix in READERS or path.exists()
+
 def _arithmetic_level(source: str) -> int:
     try: return _check_level(int(source.split(":", 1)[1]))
     except (ValueError, IndexError):
@@ -222,6 +244,7 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
                data_dir=None,                     # folder with gsm8k/ and math500/ copies (default: $MMRGRPO_DATA, else the hub)
                question_field: str = "question",  # field holding the question (files and hub datasets)
                answer_field: str = "answer",      # field holding the gold answer (files and hub datasets)
+               gold_timeout: float = 2.0,         # seconds to parse one gold answer (the trainer passes reward_timeout)
               ):
     "Load validated task records (`question`, `answer`, other fields kept) from any supported source."
     if limit is not None and limit < 1: raise ValueError(f"limit={limit}: use a positive number or None")
@@ -235,7 +258,7 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
         spec = KNOWN_DATASETS[source]
         if split not in spec["splits"]:
             raise DataError(f"{source} has no {split!r} split: use {' or '.join(map(repr, spec['splits']))}")
-        kw = dict(question_field=spec["question_field"], answer_field=spec["answer_field"], gold=spec["gold"])
+        kw = dict(question_field=spec["question_field"], answer_field=spec["answer_field"], gold=spec["gold"], gold_timeout=gold_timeout)
         if path := local_copy(source, split, data_dir):
             rows, name = READERS[path.suffix](path), str(path)
         else:
@@ -244,9 +267,9 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
             rows, name = _hub_rows(hub, config, split, f" (no local copy in {', '.join(looked)})" if looked else ""), f"{hub} ({split})"
         records, skipped = _collect(rows, name, limit, skip_bad_rows, **kw)
     else:
-        kw = dict(question_field=question_field, answer_field=answer_field)
+        kw = dict(question_field=question_field, answer_field=answer_field, gold_timeout=gold_timeout)
         path = Path(source).expanduser()
-        if path.suffix in READERS or path.exists():
+        if _is_file(source):
             if not path.is_file(): raise DataError(f"{source}: no such file")
             if path.suffix not in READERS:
                 raise DataError(f"{source}: unknown file type {path.suffix!r}: use {', '.join(READERS)}")
@@ -263,6 +286,31 @@ def task_source(task: str, seed: int = 0, **load_kw) -> Union[ArithmeticStream, 
     if _is_arithmetic(task) and load_kw.get("limit") is None:
         return ArithmeticStream(_arithmetic_level(task), seed)
     return load_tasks(task, "train", **load_kw)
+
+def holds_out_rows(task: str, eval_task: Optional[str] = None) -> bool:
+    "True when the held-out tasks must be rows of `task` itself: it is a file (which has no test split) and no `eval_task` is given."
+    return eval_task is None and _is_file(task)
+
+def split_held_out(records: list,             # the rows of a file, as `load_tasks` returns them
+                   n_eval: int,               # how many to hold out (at most half the distinct questions are)
+                   source: str = "tasks",     # the file's name, for messages
+                   seed: int = EVAL_SEED,     # fixed by default: runs with different seeds evaluate on the same rows
+                  ) -> tuple[list, list]:     # (training records, held-out records)
+    "Hold `n_eval` distinct questions out of `records`, chosen by `seed`; no question is in both parts, and both keep the file's order."
+    questions = list(dict.fromkeys(r["question"] for r in records))       # distinct, in file order
+    if n_eval < 1 or len(questions) < 2:
+        raise DataError(f"{source}: cannot hold {n_eval} of its {len(questions)} distinct question(s) out for evaluation: "
+                        "add rows, set eval_task to other data, or set eval_size=0")
+    n = min(n_eval, len(questions) // 2)
+    held = set(random.Random(f"held-out:{seed}").sample(questions, n))
+    train = [r for r in records if r["question"] not in held]
+    first = {}
+    for r in records:
+        if r["question"] in held: first.setdefault(r["question"], r)
+    (_log.warning if n < n_eval else _log.info)(
+        f"{source} has no test split: {n} of its {len(questions)} questions are held out for evaluation and never trained on"
+        + (f" (eval_size={n_eval}, capped at half)" if n < n_eval else "") + "; set eval_task to evaluate on other data")
+    return train, [dict(r) for r in first.values()]
 
 # %% ../nbs/02_data.ipynb #b9ed9b9a
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."

@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 
 # %% auto #0
 __all__ = ['BUILTIN_REWARDS', 'parse_gold', 'extract_boxed', 'reward_counters', 'shutdown_verifier', 'verify_batch',
-           'accuracy_reward', 'format_reward', 'RewardFunctionError', 'reward_name', 'compute_rewards',
+           'check_golds', 'accuracy_reward', 'format_reward', 'RewardFunctionError', 'reward_name', 'compute_rewards',
            'get_reward_funcs']
 
 # %% ../nbs/01_rewards.ipynb #25eede42
@@ -21,14 +21,27 @@ for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeo
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")    # 1,234 or -12,345.5
 _MATH_DELIMITERS = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")   # \boxed, an unescaped $, \( or \[
 
-def parse_gold(gold: str) -> list:
-    "Parse a gold answer with math-verify; raise `ValueError` when nothing parses (a data error, never a free point)."
+def _clip(s: str, limit: int = 80) -> str:
+    "`s` on one line, cut to `limit` characters, for an error message."
+    s = s.replace("\n", "\\n")
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+def _not_a_gold(gold) -> str | None:
+    "Why `gold` cannot be a gold answer at all (None: it is a string or a finite number)."
+    if isinstance(gold, bool) or not isinstance(gold, (str, numbers.Real)):
+        return f"is a {type(gold).__name__}, not a string or a number"
+    if not isinstance(gold, str) and not math.isfinite(gold): return "is not a finite number"
+    return None
+
+def parse_gold(gold: str | numbers.Real) -> list:
+    "Parse a gold answer (a string or a number) with math-verify; raise `ValueError` when nothing parses (a data error, never a free point)."
+    if why := _not_a_gold(gold): raise ValueError(f"gold answer {_clip(repr(gold))} {why}")
     text = str(gold).strip()
     if _THOUSANDS.fullmatch(text): text = text.replace(",", "")
     if not _MATH_DELIMITERS.search(text): text = "\\boxed{" + text + "}"
     parsed = parse(text, parsing_timeout=None)
     if not parsed or all(isinstance(x, str) for x in parsed):   # only the raw-text fallback: nothing was understood
-        raise ValueError(f"unparseable gold answer {gold!r}")
+        raise ValueError(f"unparseable gold answer {_clip(repr(gold))}")
     return parsed
 
 # %% ../nbs/01_rewards.ipynb #db5ce1de
@@ -113,10 +126,10 @@ class _VerifierPool:
     def close(self):
         for w in self.workers: w.kill()
 
-    def run(self, payloads: list[bytes], timeout: float) -> tuple[list[float], int, int]:
-        "Scores for `payloads` in order, and how many pairs timed out and how many failed."
+    def run(self, payloads: list[bytes], timeout: float) -> tuple[list[float], list[str]]:
+        "Scores for `payloads` in order, and for each what went wrong: '' (nothing), 'timeout' or 'error' (scored 0)."
         scores, todo = [0.0] * len(payloads), list(range(len(payloads)))[::-1]
-        timeouts = errors = 0
+        flags = [""] * len(payloads)
         while todo or any(w.task is not None for w in self.workers):
             for i, w in enumerate(self.workers):         # give every idle worker a pair
                 if w.ready and w.task is None and todo:
@@ -129,24 +142,24 @@ class _VerifierPool:
             for i, w in enumerate(self.workers):
                 try: msg = w.conn.recv() if w.conn.poll() else None
                 except (EOFError, OSError):             # the worker died: a crash while scoring, or at start
-                    errors += w.task is not None
+                    if w.task is not None: flags[w.task] = "error"
                     self.failed_starts += not w.ready
                     self.replace(i)
                     continue
                 if msg == "ready": w.ready, self.failed_starts = True, 0
                 elif msg is not None:
                     scores[w.task], failed = msg
-                    errors += failed
+                    if failed: flags[w.task] = "error"
                     w.task = None
                 elif (w.task is not None or not w.ready) and now >= w.deadline:   # over its pair's time, or slow to start
-                    if w.ready: timeouts += 1
+                    if w.ready: flags[w.task] = "timeout"
                     else: self.failed_starts += 1
                     self.replace(i)
             if self.failed_starts >= 3:
                 raise RuntimeError(f"the reward verifier processes failed to start 3 times in a row (see their output above). "
                                    f"They run `{sys.executable} -c 'from mmrgrpo.rewards import _worker_main'`: "
                                    "mmrgrpo and math-verify must be importable by that Python.")
-        return scores, timeouts, errors
+        return scores, flags
 
 # %% ../nbs/01_rewards.ipynb #6fc68a44
 _POOL, _POOL_LOCK = None, threading.Lock()
@@ -174,25 +187,48 @@ def shutdown_verifier():
 
 atexit.register(shutdown_verifier)
 
+def _run_in_pool(score_fn, golds: list, completions: list, timeout: float) -> tuple[list[float], list[str]]:
+    "`(score_fn or _score_pair)(gold, completion)` for each pair in the verifier processes: scores and flags (see `_VerifierPool.run`)."
+    # Workers import `score_fn` by name with the sys.path they started with.
+    payloads = [pickle.dumps((score_fn, g, str(c))) for g, c in zip(golds, completions)]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.pid != os.getpid(): _POOL = _VerifierPool(_num_workers())
+        try: return _POOL.run(payloads, timeout)
+        except BaseException:               # e.g. Ctrl-C: pairs may still be in flight, so start afresh next time
+            _POOL.close()
+            _POOL = None
+            raise
+
 def verify_batch(golds: list[str], completions: list[str], timeout: float = 2.0, _score_fn=None) -> list[float]:
     "1.0 or 0.0 per (gold, completion) pair by math-verify; a pair still running after `timeout` seconds scores 0 and is counted."
     if len(golds) != len(completions):
         raise ValueError(f"{len(golds)} gold answers for {len(completions)} completions: pass one gold answer per completion")
     if not timeout > 0: raise ValueError(f"timeout={timeout!r}: give each completion a positive number of seconds")
     if not completions: return []
-    # `_score_fn` (for tests) replaces `_score_pair`. Workers import it by name with the sys.path they started with.
-    payloads = [pickle.dumps((_score_fn, str(g), str(c))) for g, c in zip(golds, completions)]
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL.pid != os.getpid(): _POOL = _VerifierPool(_num_workers())
-        try: scores, timeouts, errors = _POOL.run(payloads, timeout)
-        except BaseException:               # e.g. Ctrl-C: pairs may still be in flight, so start afresh next time
-            _POOL.close()
-            _POOL = None
-            raise
-        _COUNTERS["timeouts"] += timeouts
-        _COUNTERS["errors"] += errors
+    scores, flags = _run_in_pool(_score_fn, list(golds), completions, timeout)   # `_score_fn` (for tests) replaces `_score_pair`
+    _COUNTERS["timeouts"] += flags.count("timeout")
+    _COUNTERS["errors"] += flags.count("error")
     return scores
+
+def _gold_parses(gold, _completion=None) -> float:
+    "1.0 if `gold` parses, 0.0 if it does not (run in a verifier process, under its time limit)."
+    try: _gold_cached(gold)
+    except ValueError: return 0.0
+    return 1.0
+
+def check_golds(golds: list, timeout: float = 2.0) -> list[str | None]:
+    "Why each gold answer cannot be used, or None where it parses; each is parsed in a verifier process with `timeout` seconds."
+    if not timeout > 0: raise ValueError(f"timeout={timeout!r}: give each gold answer a positive number of seconds")
+    why = [_not_a_gold(g) for g in golds]                     # wrong types never reach the parser
+    todo = [i for i, w in enumerate(why) if w is None]
+    if todo:
+        scores, flags = _run_in_pool(_gold_parses, [golds[i] for i in todo], [""] * len(todo), timeout)
+        for i, s, f in zip(todo, scores, flags):
+            if f == "timeout": why[i] = f"took more than {timeout:g} s to parse (the limit is reward_timeout)"
+            elif f == "error": why[i] = "made the parser fail"
+            elif s != 1.0: why[i] = "cannot be parsed"
+    return why
 
 # %% ../nbs/01_rewards.ipynb #71368327
 def _as_text(x) -> str:
@@ -205,7 +241,7 @@ def _as_text(x) -> str:
 # %% ../nbs/01_rewards.ipynb #81cfa650
 def accuracy_reward(prompts, completions, answer, reward_timeout: float = 2.0, **kwargs) -> list[float]:
     "1.0 when a completion's final answer equals its gold `answer` (a dataset column) by math-verify, else 0.0."
-    return verify_batch([str(a) for a in answer], [_as_text(c) for c in completions], timeout=reward_timeout)
+    return verify_batch(list(answer), [_as_text(c) for c in completions], timeout=reward_timeout)
 
 # %% ../nbs/01_rewards.ipynb #c5a817d5
 _AFTER_ANSWER = re.compile(r"(?:\s|[.!$]|\\\]|\\\))*")   # what may follow the final \boxed{...}
@@ -232,11 +268,6 @@ def reward_name(func) -> str:
     "The name a reward function is logged under: its `__name__`; a `functools.partial` is named after the function it wraps."
     while isinstance(func, functools.partial): func = func.func
     return getattr(func, "__name__", type(func).__name__)
-
-def _clip(s: str, limit: int = 80) -> str:
-    "`s` on one line, cut to `limit` characters, for an error message."
-    s = s.replace("\n", "\\n")
-    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str) -> tuple[list, int]:
     "Call one reward function and check its output: its scores (None = not applicable) and how many of them were errors."
@@ -299,8 +330,12 @@ def _load_reward_func(name: str):
     if not (colon and module and attr):
         builtin = ", ".join(map(repr, BUILTIN_REWARDS))
         raise ValueError(f"unknown reward function {name!r}: use {builtin} or 'package.module:function'")
-    try: func = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e: raise ValueError(f"cannot load reward function {name!r}: {e}") from e
+    try: mod = importlib.import_module(module)       # runs the module's code: a config naming it is code
+    except Exception as e:
+        fix = " (install it, or put its folder on PYTHONPATH)" if isinstance(e, ModuleNotFoundError) else ""
+        raise ValueError(f"cannot load reward function {name!r}: importing {module!r} raised {type(e).__name__}: {e}{fix}") from e
+    if not hasattr(mod, attr): raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")
+    func = getattr(mod, attr)
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 

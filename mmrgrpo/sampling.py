@@ -25,7 +25,11 @@ class Rollout:
     prompt_mask: torch.Tensor       # (N, P)
     completion_ids: torch.Tensor    # (N, T) right-padded
     completion_mask: torch.Tensor   # (N, T) 1 up to and including the first end-of-sequence token
-    group_size: int
+    group_size: int                 # G as sampled; after batch-scope pruning groups differ in size: use `group_ids`
+    group_ids: Optional[torch.Tensor] = None   # (N,) each row's group (prompt) id; None: row // group_size
+
+    def __post_init__(self):
+        if self.group_ids is None: self.group_ids = torch.arange(len(self.completions)) // max(self.group_size, 1)
 
     @property
     def truncated(self) -> torch.Tensor:
@@ -33,16 +37,19 @@ class Rollout:
         return self.completion_mask.all(-1)
 
     def select(self, keep: torch.Tensor) -> "Rollout":
-        "The rows where the boolean `keep` (N,) is set (group_size becomes the kept count per group), padding trimmed."
+        "The rows where the boolean `keep` (N,) is set, padding trimmed; rows keep their group ids (`group_size`: the kept count when every group keeps the same, else 0)."
         idx = keep.nonzero().flatten().tolist()
-        n_groups = len(self.prompts) // self.group_size
+        ids = self.group_ids[keep.to(self.group_ids.device)]
+        sizes = torch.unique_consecutive(ids, return_counts=True)[1]
+        n_groups = int(torch.unique(self.group_ids).numel())
+        uniform = len(sizes) == n_groups and bool((sizes == sizes[0]).all()) if len(sizes) else False
         p_mask, c_mask = self.prompt_mask[keep], self.completion_mask[keep]
         # columns that are padding in every kept row cost compute and carry nothing: drop them
         p0 = int(p_mask.any(0).float().argmax()) if p_mask.numel() else 0
         t1 = max(int(c_mask.sum(-1).max()), 1) if c_mask.numel() else 1
         return Rollout([self.prompts[i] for i in idx], [self.completions[i] for i in idx], self.prompt_ids[keep][:, p0:],
                        p_mask[:, p0:], self.completion_ids[keep][:, :t1], c_mask[:, :t1],
-                       max(len(idx) // max(n_groups, 1), 1))
+                       int(sizes[0]) if uniform else 0, ids)
 
 # %% ../nbs/04_sampling.ipynb #4cf2c9d3
 def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
@@ -71,6 +78,7 @@ def sample_tokens(logits: torch.Tensor,           # (N, V) next-token logits
                   temperature: float = 1.0,
                   top_p: float = 1.0,              # nucleus: keep the smallest set of tokens whose probability reaches top_p
                   generator: Optional[torch.Generator] = None,
+                  u: Optional[torch.Tensor] = None,  # (N, 1) float64 uniform draws in [0, 1) to use instead of fresh ones
                  ) -> torch.Tensor:                # (N,) sampled token ids
     "One token per row from softmax(logits / temperature) (restricted to the top-p nucleus), by inverse-CDF sampling."
     p = torch.softmax(logits.double() / temperature, -1)
@@ -79,7 +87,8 @@ def sample_tokens(logits: torch.Tensor,           # (N, V) next-token logits
         drop = sp.cumsum(-1) - sp >= top_p                  # tokens after the nucleus is already full
         p = torch.zeros_like(p).scatter_(-1, order, sp.masked_fill(drop, 0.0))
     cdf = p.cumsum(-1)
-    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=p.dtype) * cdf[:, -1:]
+    if u is None: u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=p.dtype)
+    u = u.to(p) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp(max=p.shape[1] - 1).squeeze(-1)
 
 # %% ../nbs/04_sampling.ipynb #42cf590b
@@ -121,6 +130,13 @@ if DynamicLayer is not None:
             self.keys, self.values = self._k[..., :n + m, :], self._v[..., :n + m, :]
             return self.keys, self.values
 
+        def batch_select_indices(self, indices: torch.Tensor):
+            "Keep only the batch rows `indices`, reserved room included (one copy of the kept rows)."
+            if not self.is_initialized: return
+            n = self.keys.shape[-2]
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
+
 def reserve_cache(cache, extra: int):
     "Give each plain dynamic layer of `cache` room for `extra` more positions (others, and older transformers, untouched)."
     for layer in getattr(cache, "layers", []):
@@ -130,10 +146,13 @@ def reserve_cache(cache, extra: int):
     return cache
 
 class HFBackend:
-    "Sample with `model.generate`: one batched call per step, left padding, KV cache, stop at EOS."
+    "Sample with the policy itself: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
     def __init__(self, model, tokenizer, max_prompt_length: int = 512,
-                 share_prompt: bool = True):   # prefill each distinct prompt once and repeat its KV cache G times
+                 share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
+                 drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
+                 compact_at: float = 0.25):    # drop finished rows once they are this fraction of the batch (0: at every EOS)
         self.model, self.tokenizer, self.max_prompt_length, self.share_prompt = model, tokenizer, max_prompt_length, share_prompt
+        self.drop_finished, self.compact_at = drop_finished, compact_at
         self.eos_ids = stop_token_ids(model, tokenizer)
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
@@ -155,6 +174,49 @@ class HFBackend:
                              f"{self.max_prompt_length}: raise max_prompt_length or shorten the prompt")
         return enc
 
+    def transformers_decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy):
+        "(N, T) completion ids from transformers' `generate` loop (every row stays in the batch to the end)."
+        # sample from exactly the distribution the loss scores: override any model-config sampling extras
+        kw = dict(do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None, min_p=None, typical_p=None)
+        if not greedy: kw["logits_processor"] = LogitsProcessorList([InverseCDFSampler(temperature, top_p)])
+        cache = self.prefill(enc, num_generations, max_new_tokens, p_ids.device)
+        if cache is not None: kw[cache_kwarg(self.model)] = cache    # generate then runs only each row's last prompt token
+        out = self.model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **kw)
+        return out[:, p_ids.shape[1]:]
+
+    def decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy):
+        "(N, T) completion ids, right-padded with the pad token, from our loop: a row leaves the batch once it has ended."
+        N, P = p_ids.shape
+        device, name = p_ids.device, cache_kwarg(self.model)
+        out = torch.full((N, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        eos = torch.tensor(self.eos_ids, device=device)
+        mask = torch.cat([p_mask, p_mask.new_ones(N, max_new_tokens)], 1)   # prompt columns, then one per new token
+        pos = p_mask.long().sum(-1, keepdim=True) - 1                       # position of each row's last prompt token
+        rows = torch.arange(N, device=device)                               # the output row of each batch row
+        alive = torch.ones(N, dtype=torch.bool, device=device)              # batch rows that have not ended yet
+        cache = self.prefill(enc, num_generations, max_new_tokens, device)
+        ids = p_ids[:, -1:] if cache is not None else p_ids                 # (prompts of one token: no prefill)
+        for t in range(max_new_tokens):
+            o = self.model(input_ids=ids, attention_mask=mask[:, :P + t], position_ids=pos, use_cache=True, logits_to_keep=1,
+                           **({name: cache} if cache is not None else {}))
+            if cache is None: cache = reserve_cache(output_cache(o), max_new_tokens)
+            logits = o.logits[:, -1]
+            if greedy: tok = logits.argmax(-1)
+            else:   # one draw per output row and step, finished or not, exactly as transformers' loop draws them
+                u = torch.rand(N, 1, device=device, dtype=torch.float64)
+                tok = sample_tokens(logits, temperature, top_p, u=u[rows])
+            out[rows[alive], t] = tok[alive]
+            alive &= ~torch.isin(tok, eos)
+            n_alive = int(alive.sum())
+            if n_alive == 0: return out[:, :t + 1]
+            if n_alive < len(rows) and len(rows) - n_alive >= self.compact_at * len(rows):
+                keep = alive.nonzero().squeeze(-1)                          # drop the finished rows, KV cache included
+                cache.batch_select_indices(keep)
+                rows, mask, pos, tok, alive = rows[keep], mask[keep], pos[keep], tok[keep], alive[keep]
+            ids, pos = tok[:, None], pos + 1
+        return out
+
     @torch.no_grad()
     def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:
         enc = self.tokenize(prompts)
@@ -166,17 +228,10 @@ class HFBackend:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                # sample from exactly the distribution the loss scores: override any model-config sampling extras
-                kw = dict(do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None, min_p=None,
-                          typical_p=None)
-                if not greedy: kw["logits_processor"] = LogitsProcessorList([InverseCDFSampler(temperature, top_p)])
-                cache = self.prefill(enc, num_generations, max_new_tokens, device)
-                if cache is not None: kw[cache_kwarg(self.model)] = cache    # generate then runs only each row's last prompt token
-                out = self.model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
-                                          eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **kw)
+                run = self.decode if self.drop_finished else self.transformers_decode
+                c_ids = run(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy)
         finally:
             self.model.train(was_training)
-        c_ids = out[:, p_ids.shape[1]:]
         if c_ids.shape[1] == 0: c_ids = torch.full((len(p_ids), 1), self.eos_ids[0], device=device)
         c_mask = completion_mask(c_ids, self.eos_ids)
         texts = self.tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * self.tokenizer.pad_token_id, skip_special_tokens=True)

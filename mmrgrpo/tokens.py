@@ -11,7 +11,7 @@ __all__ = ['SELECTORS', 'policy_grad_coef', 'gmts_scores', 'logit_grad_scores', 
 # %% ../nbs/09_tokens.ipynb #cf7bb767
 import torch
 
-from .advantages import group_view
+from .advantages import as_group_ids
 from .pruning import exact_rate
 
 # %% ../nbs/09_tokens.ipynb #6715c1d2
@@ -41,9 +41,15 @@ def gmts_scores(entropy: torch.Tensor,     # (N, T) entropy of the current polic
                 logp_ref: torch.Tensor,    # (N, T) reference log-probs, or None when beta == 0
                 advantages: torch.Tensor,  # (N,) per-completion advantages
                 beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
+                weights: torch.Tensor = None,  # (N,) weight of each completion's tokens in the aggregated loss (None: 1)
                ) -> torch.Tensor:          # (N, T) GMTS scores, >= 0, detached
-    "GMTS token scores H_t |c_t|: an estimate of the size of each token's gradient."
-    return entropy.detach().float() * policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    "GMTS token scores w_i H_t |c_t|: an estimate of the size of each token's gradient."
+    c = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    return _weighted(entropy.detach().float() * c, weights)
+
+def _weighted(scores, weights):
+    "Scores times each completion's loss weight (rows), when there is one."
+    return scores if weights is None else scores * weights.detach().float().reshape(-1, 1).to(scores.device)
 
 # %% ../nbs/09_tokens.ipynb #a4d04e15
 def logit_grad_scores(log_sumsq: torch.Tensor,  # (N, T) log Σ_j p_j² of the current policy's next-token distribution
@@ -52,11 +58,12 @@ def logit_grad_scores(log_sumsq: torch.Tensor,  # (N, T) log Σ_j p_j² of the c
                       logp_ref: torch.Tensor,   # (N, T) reference log-probs, or None when beta == 0
                       advantages: torch.Tensor, # (N,) per-completion advantages
                       beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
+                      weights: torch.Tensor = None,  # (N,) loss weight of each completion's tokens (None: 1)
                      ) -> torch.Tensor:         # (N, T) exact gradient norms w.r.t. the logits, detached
-    "Size of each token's loss gradient w.r.t. its logits: |c_t| sqrt(1 - 2 p_y + Σ_j p_j²)."
+    "Size of each token's loss gradient w.r.t. its logits: w_i |c_t| sqrt(1 - 2 p_y + Σ_j p_j²)."
     p = logp.detach().float().exp()
     logit_norm = (1 - 2 * p + log_sumsq.detach().float().exp()).clamp(min=0).sqrt()
-    return logit_norm * policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    return _weighted(logit_norm * policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs(), weights)
 
 # %% ../nbs/09_tokens.ipynb #bb6bf6ff
 SELECTORS = ("gmts", "entropy", "logit_grad")
@@ -69,13 +76,14 @@ def token_scores(selector: str,                  # "gmts", "entropy" or "logit_g
                  logp_ref: torch.Tensor = None,  # (N, T), needed when beta > 0
                  log_sumsq: torch.Tensor = None, # (N, T), needed by "logit_grad"
                  beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
+                 weights: torch.Tensor = None,   # (N,) loss weight of each completion (gmts, logit_grad); None: 1
                 ) -> torch.Tensor:               # (N, T) scores, detached
     "Per-token scores of the named selector."
-    if selector == "gmts": return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high)
+    if selector == "gmts": return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
     if selector == "entropy": return entropy.detach().float()
     if selector == "logit_grad":
         if log_sumsq is None: raise ValueError("selector='logit_grad' needs log_sumsq (log Σ_j p_j² per token)")
-        return logit_grad_scores(log_sumsq, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high)
+        return logit_grad_scores(log_sumsq, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
     raise ValueError(f"selector={selector!r}: use one of {SELECTORS}")
 
 # %% ../nbs/09_tokens.ipynb #d5381745
@@ -84,30 +92,44 @@ def kept_tokens(num_valid: torch.Tensor,  # (B,) valid tokens per group (integer
                ) -> torch.Tensor:         # (B,) ceil(keep_ratio * num_valid), exact
     "How many tokens of each group keep their advantage: ceil(keep_ratio · n), computed exactly in integers."
     q = exact_rate(keep_ratio).limit_denominator(10**6)
+    if not 0 < q <= 1:
+        raise ValueError(f"keep_ratio={keep_ratio}: keeps no token of a group (it must be in (0, 1] and at least 1e-6); "
+                         "a run that trains on no token learns nothing")
     return (num_valid.long() * q.numerator + q.denominator - 1) // q.denominator
 
 # %% ../nbs/09_tokens.ipynb #f7cfe0b1
-def select_tokens(scores: torch.Tensor,           # (N, T) token scores (>= 0), N = B*G ordered group by group
+def select_tokens(scores: torch.Tensor,           # (N, T) token scores (>= 0), rows ordered group by group
                   completion_mask: torch.Tensor,  # (N, T) 1/True for completion tokens, 0/False for padding
-                  group_size: int,                # G
+                  groups,                         # G (every group has G rows) or (N,) group id of each row
                   keep_ratio: float = 0.2,        # share of each group's valid tokens to keep, in (0, 1]
                   scope: str = "group",           # rank within each "group" or over the whole "batch"
+                  inverse: bool = False,          # keep the LOWEST-scored tokens instead (the GMTS ablation)
                  ) -> torch.Tensor:               # (N, T) bool, True for tokens that keep their advantage
     "The top `keep_ratio` of each group's valid tokens by score (never padding, never a score of 0)."
     if not 0 < keep_ratio <= 1:
         raise ValueError(f"keep_ratio={keep_ratio}: the share of tokens to keep must be in (0, 1]; 1 keeps every token")
     if scope not in ("group", "batch"):
         raise ValueError(f"scope={scope!r}: use 'group' (GMTS) or 'batch' (the entropy baseline)")
-    valid = completion_mask.bool()
-    if keep_ratio == 1: return valid.clone()
     N, T = scores.shape
-    rows = group_view(torch.arange(N), group_size).shape[0] if scope == "group" else 1
-    s = scores.detach().float().masked_fill(~valid, float("-inf")).reshape(rows, -1)  # (B, G*T)
-    v = valid.reshape(rows, -1)
-    k = kept_tokens(v.sum(1), keep_ratio)                                            # (B,)
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(s.shape[1], device=s.device).expand_as(order))
-    return ((rank < k[:, None]) & v & (s != 0)).reshape(N, T)
+    ids = as_group_ids(groups, N, scores.device)
+    if keep_ratio == 1 and not inverse: return completion_mask.bool().clone()   # every token: the plain loss
+    if scope == "batch": ids = torch.zeros_like(ids)
+    valid = completion_mask.bool()
+    s = scores.detach().float()
+    eligible = valid & (s != 0)
+    key = (-s if inverse else s).masked_fill(~eligible, float("-inf")).flatten()   # (N*T,)
+    tok_group = ids[:, None].expand(N, T).flatten()
+    # rank each token within its group: best key first, ties by position (two stable sorts)
+    by_key = torch.sort(key, descending=True, stable=True).indices
+    order = by_key[torch.sort(tok_group[by_key], stable=True).indices]
+    n_groups = int(ids.max()) + 1 if N else 0
+    size = torch.zeros(n_groups, dtype=torch.long, device=s.device).index_add_(0, tok_group, torch.ones_like(tok_group))
+    start = size.cumsum(0) - size
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=s.device) - start[tok_group[order]]
+    n_valid = torch.zeros(n_groups, dtype=torch.long, device=s.device).index_add_(0, ids, valid.sum(1).long())
+    k = kept_tokens(n_valid, keep_ratio)                                            # (groups,)
+    return (rank.reshape(N, T) < k[ids][:, None]) & eligible
 
 # %% ../nbs/09_tokens.ipynb #bc8921dc
 def mask_advantages(advantages: torch.Tensor,  # (N,) per completion, or (N, T) per token

@@ -5,14 +5,13 @@ import pytest, torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+DATA = Path(__file__).resolve().parents[1] / "nbs" / "data"     # small excerpts of GSM8K and MATH-500 shipped with the repository
 
 
 @pytest.fixture(scope="session")
-def shared_data():
-    d = SHARED / "data"
-    if not d.exists(): pytest.skip(f"shared data not found at {d}")
-    return d
+def data_dir():
+    "The repository's `nbs/data`: gsm8k/{train,test}.jsonl (50 rows each, plus one) and math500/test.jsonl (20 rows)."
+    return DATA
 
 
 @pytest.fixture(scope="session")

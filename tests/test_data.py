@@ -5,28 +5,14 @@ from pathlib import Path
 import pytest
 
 from mmrgrpo.data import (ArithmeticStream, DataError, DEFAULT_INSTRUCTION, EVAL_SEED, TRAIN_SEED, arithmetic_task,
-                          arithmetic_tasks, check_prompt_lengths, default_shots, format_prompt, load_tasks, task_source,
-                          tasks_for_step)
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+                          arithmetic_tasks, check_prompt_lengths, default_shots, format_prompt, holds_out_rows, load_tasks,
+                          split_held_out, task_source, tasks_for_step)
 
 
 @pytest.fixture(scope="module")
-def data_dir():
-    assert (SHARED_DATA / "gsm8k" / "test.jsonl").is_file(), f"the shared data is missing: expected it in {SHARED_DATA}"
-    return SHARED_DATA
-
-
-@pytest.fixture(scope="module")
-def tok():
+def tok(smollm2_path):
     from transformers import AutoTokenizer
-    path = "/tmp/smol_cache"
-    if not Path(path).exists():
-        from mmrgrpo.config import ConfigError
-        from mmrgrpo.models import resolve_model
-        try: path = resolve_model("smollm2")
-        except ConfigError as e: pytest.skip(f"no SmolLM2 tokenizer here: {e}")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(smollm2_path)
 
 
 # --- arithmetic
@@ -103,12 +89,13 @@ def test_tasks_for_step_list_walks_seeded_epochs():
     with pytest.raises(DataError, match="empty"): tasks_for_step([], 0, 2)
 
 
-# --- shared data
+# --- local copies (the excerpts in nbs/data; a full copy has the same layout)
 
 def test_gsm8k_local(data_dir, monkeypatch):
     monkeypatch.delenv("MMRGRPO_DATA", raising=False)
+    assert all((data_dir / d / f).is_file() for d in ("gsm8k", "math500") for f in ("LICENSE", "NOTICE"))   # source and licence
     test = load_tasks("gsm8k", "test", data_dir=data_dir)
-    assert len(test) == 1319
+    assert len(test) == 50
     assert test[0]["answer"] == "18" and test[0]["question"].startswith("Janet’s ducks lay 16 eggs")
     assert test[0]["solution"].endswith("#### 18")
     train = load_tasks("gsm8k", data_dir=data_dir, limit=3)
@@ -116,6 +103,15 @@ def test_gsm8k_local(data_dir, monkeypatch):
     monkeypatch.setenv("MMRGRPO_DATA", str(data_dir))                # the environment variable works as well
     assert load_tasks("gsm8k", "test", limit=2) == test[:2]
     with pytest.raises(DataError, match="use 'train' or 'test'"): load_tasks("gsm8k", "validation", data_dir=data_dir)
+
+
+def test_nothing_reads_outside_the_repository():
+    "A fresh clone has no data folder beside it, and a fixed temporary path is shared by every user of a machine: nothing names either."
+    root = Path(__file__).resolve().parents[1]
+    outside = re.compile(r"\.\./shared\b|[\"']/tmp/")
+    found = [f"{f.relative_to(root)}: {m.group()}" for f in [*root.glob("nbs/*.ipynb"), *root.glob("mmrgrpo/*.py"), *root.glob("tests/*.py")]
+             for m in outside.finditer(f.read_text())]
+    assert found == []
 
 
 def test_gsm8k_gold_strips_thousands_separators(data_dir):
@@ -127,7 +123,7 @@ def test_gsm8k_gold_strips_thousands_separators(data_dir):
 
 def test_math500_local(data_dir):
     tasks = load_tasks("math500", "test", data_dir=data_dir)
-    assert len(tasks) == 500
+    assert len(tasks) == 20
     assert tasks[0]["question"].startswith("Convert the point $(0,3)$ in rectangular coordinates")
     assert tasks[0]["answer"] == r"\left( 3, \frac{\pi}{2} \right)"
     assert tasks[1]["answer"] == "p - q" and tasks[0]["subject"] == "Precalculus"
@@ -197,6 +193,34 @@ def test_skip_bad_rows_counts(tmp_path):
         load_tasks(str(tmp_path / "allbad.jsonl"), skip_bad_rows=True)
 
 
+def jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows)); return str(path)
+
+
+def test_gold_answers_are_strings_or_numbers(tmp_path):
+    "JSON true, lists and dicts are not answers (str(True) would parse as the product of four symbols and score completions)."
+    p = jsonl(tmp_path / "t.jsonl", [{"question": "a?", "answer": 6}, {"question": "b?", "answer": 0.5},
+                                     {"question": "c?", "answer": True}, {"question": "d?", "answer": [1, 2]},
+                                     {"question": "e?", "answer": {"x": 1}}])
+    with pytest.raises(DataError, match=r"t.jsonl row 3: gold answer True is a bool: write it as a string or a number"):
+        load_tasks(p)
+    records, skipped = load_tasks(p, skip_bad_rows=True, return_skipped=True)
+    assert [r["answer"] for r in records] == ["6", "0.5"] and skipped == 3
+
+
+def test_slow_and_huge_gold_answers_are_cut_off(tmp_path):
+    "A gold answer is parsed in a verifier process under the time limit, and the error quotes only its start."
+    huge, nested = "1" * 10**7, "{" * 5000 + "1" + "}" * 5000
+    p = jsonl(tmp_path / "t.jsonl", [{"question": "a?", "answer": "7"}, {"question": "b?", "answer": huge},
+                                     {"question": "c?", "answer": nested}])
+    with pytest.raises(DataError) as e: load_tasks(p, gold_timeout=0.5)
+    msg = str(e.value)
+    assert "t.jsonl row 2: gold answer '1111" in msg and "took more than 0.5 s to parse" in msg, msg[:300]
+    assert len(msg) < 300 and "\n" not in msg
+    records, skipped = load_tasks(p, gold_timeout=0.5, skip_bad_rows=True, return_skipped=True)
+    assert (records, skipped) == ([{"question": "a?", "answer": "7"}], 2)
+
+
 def test_other_formats_and_fields(tmp_path):
     import pyarrow as pa, pyarrow.parquet as pq
     rows = [{"problem": "What is 3 + 3?", "sol": 6, "id": 1}, {"problem": "Half of 1?", "sol": "\\frac{1}{2}", "id": 2}]
@@ -212,6 +236,46 @@ def test_other_formats_and_fields(tmp_path):
     with pytest.raises(DataError, match="no such file"): load_tasks(str(tmp_path / "missing.jsonl"))
     (tmp_path / "t.csv").write_text("question,answer\n")
     with pytest.raises(DataError, match="unknown file type '.csv'"): load_tasks(str(tmp_path / "t.csv"))
+
+
+# --- held-out rows of a file
+
+def test_split_held_out_has_no_overlap():
+    records = [{"question": f"q{i % 9}", "answer": str(i)} for i in range(12)]      # q0, q1, q2 appear twice
+    train, held = split_held_out(records, 3, "t.jsonl")
+    questions = lambda rs: [r["question"] for r in rs]
+    assert len(held) == len(set(questions(held))) == 3 and not set(questions(train)) & set(questions(held))
+    assert set(questions(train)) | set(questions(held)) == set(questions(records))
+    assert train == [r for r in records if r["question"] not in questions(held)]       # the file's order
+    assert questions(held) == sorted(questions(held), key=questions(records).index)
+    assert split_held_out(records, 3, "t.jsonl") == (train, held)                       # a fixed seed, not the run's
+    assert len(split_held_out(records, 100)[1]) == 4                                    # at most half of 9 questions
+    with pytest.raises(DataError, match=r"one.jsonl: cannot hold 5 of its 1 distinct question\(s\) out .* set eval_task"):
+        split_held_out(records[:1], 5, "one.jsonl")
+
+
+def test_only_files_hold_rows_out(tmp_path):
+    p = jsonl(tmp_path / "t.jsonl", [{"question": "a?", "answer": "1"}])
+    assert holds_out_rows(p) and holds_out_rows(str(tmp_path / "missing.parquet"))
+    assert not holds_out_rows(p, eval_task="other.jsonl")
+    assert not any(holds_out_rows(t) for t in ("gsm8k", "math500", "arithmetic:2", "someone/data", "someone/data:cfg"))
+
+
+def test_training_on_a_file_evaluates_on_rows_it_never_trains_on(tmp_path, monkeypatch):
+    "A file has no test split: the trainer holds rows of it out instead of evaluating on its training rows."
+    import mmrgrpo.trainer as T
+    from mmrgrpo.config import load_config
+    p = jsonl(tmp_path / "tasks.jsonl", [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)])
+    seen = {}
+    class Stop(Exception): pass
+    def fit_prompts(tokenizer, c, tasks, task, split="train"):          # the trainer's tasks, just after loading
+        seen[split] = [t["question"] for t in tasks]
+        if split == "test": raise Stop
+        return tasks, 0
+    monkeypatch.setattr(T, "fit_prompts", fit_prompts)
+    c = load_config(model="tiny-random", task=p, eval_size=5, output_dir=str(tmp_path / "run"))
+    with pytest.raises(Stop): T.train(c, model=object(), tokenizer=object(), progress=False)
+    assert len(seen["test"]) == 5 and len(seen["train"]) == 15 and not set(seen["train"]) & set(seen["test"])
 
 
 # --- prompts

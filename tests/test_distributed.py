@@ -58,7 +58,7 @@ def rollout_rows(batch, rows):
 def case_config(name):
     from mmrgrpo.config import load_config
     return load_config(model="tiny-random", lora=False, num_generations=G, prompts_per_step=B, micro_batch_size=G,
-                       max_completion_length=T, max_grad_norm=0.0, beta=0.04, **CASES[name])
+                       max_completion_length=T, max_grad_norm=0.0, beta=0.04, autocast_bf16=False, **CASES[name])   # exact: fp32
 
 
 def run_update(batch, name, rows):
@@ -147,6 +147,47 @@ def test_rank0_logs_and_checkpoints_and_resume_needs_same_world_size(two_process
     c = load_config(overrides=tiny_run_args(run, steps=3, resume_from="latest")[1:])
     with pytest.raises(ConfigError, match=r"written by a run on 2 process\(es\) and this run has 1"):
         train(c, progress=False)
+
+
+@pytest.mark.parametrize("cuda,backend", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")])
+def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
+    "On GPUs the group has gloo for CPU tensors (numbers, metrics) and nccl for CUDA ones: nccl alone cannot reduce CPU tensors."
+    import torch.distributed as dist
+    from mmrgrpo.trainer import init_distributed
+    asked, devices = [], []
+    monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    init_distributed()
+    assert asked == [backend] and devices == ([1] if cuda else [])
+
+
+@pytest.mark.parametrize("backend,x,device", [
+    ("gloo", 3.0, "cpu"), ("cpu:gloo,cuda:nccl", 3.0, "cpu"), ("cpu:gloo,cuda:nccl", torch.ones(2), "cpu"),
+    ("nccl", 3.0, "cuda:0"), ("nccl", torch.ones(2), "cuda:0"),    # a group someone else made with nccl alone: reduce on the GPU
+])
+def test_reduce_device_per_backend(monkeypatch, backend, x, device):
+    from mmrgrpo.trainer import reduce_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert reduce_device(backend, x) == torch.device(device)
+
+
+def test_all_reduce_sum_hands_the_group_tensors_on_devices_it_serves(monkeypatch):
+    import torch.distributed as dist
+    from mmrgrpo import trainer
+    seen = []
+    def all_reduce(t):
+        if t.device.type not in trainer._served(dist.get_backend()):      # what NCCL says to a CPU tensor
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append((t.device.type, t.dtype)); t.mul_(2)                 # two processes holding the same value
+    monkeypatch.setattr(trainer, "dist_info", lambda: (0, 2))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    g = torch.tensor([0.25, 1.5])
+    assert trainer.all_reduce_sum(3) == 6.0 and torch.equal(trainer.all_reduce_sum(g), torch.tensor([0.5, 3.0], dtype=torch.float64))
+    assert torch.equal(g, torch.tensor([0.25, 1.5])) and seen == [("cpu", torch.float64)] * 2     # the input is not changed
 
 
 def test_python_m_cli_runs_main():

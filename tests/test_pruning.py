@@ -3,7 +3,8 @@ from fractions import Fraction
 
 import pytest, torch
 from mmrgrpo.advantages import group_advantages, group_view
-from mmrgrpo.pruning import allocated_prompts, exact_rate, keep_mask, kept_count
+import math
+from mmrgrpo.pruning import allocated_prompts, exact_rate, keep_mask, kept_count, pruned_count
 
 A = group_advantages(torch.tensor([3, 0, 2.5, 1]), 4)  # [0.998553, -1.180108, 0.635443, -0.453888]
 
@@ -24,14 +25,15 @@ def test_two_groups_batch_scope():
 
 @pytest.mark.parametrize("G,P,k", [
     (16, 0, 16), (16, 0.5, 8), (16, 0.75, 4), (16, 0.875, 2), (16, 0.9375, 1),
-    (16, 0.7, 5),     # int(16 * 0.3...) = 4
-    (10, 0.8, 2),     # int(1.9999999999999996) = 1
-    (10, 0.9, 1),     # int(0.9999999999999998) = 0
-    (8, 0.3, 6),      # 5.6
-    (16, 0.9, 2),     # 1.6
-    (6, 0.25, 4),     # 4.5 -> even
-    (10, 0.25, 8),    # 7.5 -> even
+    (16, 0.7, 5),     # floor(11.2) = 11 pruned; float int(16 * 0.3...) would keep 4
+    (10, 0.8, 2),     # floor(8) exactly, though 10 * 0.8 is 8.000000000000002 in floats
+    (10, 0.9, 1),
+    (8, 0.3, 6),      # floor(2.4) = 2 pruned
+    (16, 0.9, 2),     # floor(14.4) = 14 pruned
+    (6, 0.25, 5),     # floor(1.5) = 1 pruned: never more than asked (half-to-even rounding kept 4, i.e. pruned 33%)
+    (10, 0.25, 8),    # floor(2.5) = 2 pruned
     (16, Fraction(11, 16), 5),
+    (4, 0.875, 1), (1, 0.5, 1), (8, 0.95, 1), (4, 0.2, 4),   # P < 1 always keeps at least one; 0.2 of 4 prunes nothing
 ])
 def test_kept_count(G, P, k):
     assert kept_count(G, P) == k
@@ -43,18 +45,13 @@ def test_exact_rate_reads_the_decimal():
     assert exact_rate(Fraction(1, 3)) == Fraction(1, 3)
 
 
-@pytest.mark.parametrize("G,P", [(4, 0.875), (1, 0.5), (8, 0.95)])
-def test_zero_kept_is_rejected(G, P):
-    with pytest.raises(ValueError, match=f"prune_rate={P} with group_size={G}"):
-        kept_count(G, P)
-    with pytest.raises(ValueError, match=f"prune_rate={P}"):
-        keep_mask(torch.randn(2 * G), G, P)
-
-
-def test_zero_kept_rows_in_batch_scope_is_rejected():
-    with pytest.raises(ValueError, match=r"prune_rate=0.9 with B\*G=4 .* below 0.875"):
-        keep_mask(torch.randn(4), 2, 0.9, scope="batch")
-    assert keep_mask(torch.tensor([0., 1, 0, 0]), 2, 0.75, scope="batch").tolist() == [False, True, False, False]
+def test_never_prunes_more_than_asked():
+    for n in range(1, 40):
+        for P in (0.1, 0.25, 1 / 3, 0.5, 0.6, 0.7, 0.75, 0.875, 0.9, 0.99):
+            d = pruned_count(n, P)
+            assert d <= exact_rate(P) * n < d + 1 and 1 <= n - d
+    assert keep_mask(torch.tensor([0., 1, 0, 0]), 2, 0.75, scope="batch").tolist() == [False, True, False, False]  # floor(3)
+    assert keep_mask(torch.randn(4), 2, 0.9, scope="batch").sum() == 1                                              # floor(3.6)
 
 
 @pytest.mark.parametrize("P", [1.0, 1.5, -0.1])
@@ -101,7 +98,7 @@ def test_keeps_the_largest_per_group(seed, P):
     a = group_view(adv.abs(), G)
     assert (torch.where(m, a, torch.inf).min(1).values >= torch.where(m, -torch.inf, a).max(1).values).all()
     mb = keep_mask(adv, G, P, scope="batch")
-    assert int(mb.sum()) == round(B * G * (1 - Fraction(str(P))))
+    assert int(mb.sum()) == B * G - math.floor(B * G * Fraction(str(P)))
     assert adv.abs()[mb].min() >= adv.abs()[~mb].max()
 
 
@@ -112,3 +109,16 @@ def test_cuda_matches_cpu():
     for scope in ("group", "batch"):
         m = keep_mask(adv.cuda(), 8, 0.625, scope)
         assert m.is_cuda and torch.equal(m.cpu(), keep_mask(adv, 8, 0.625, scope))
+
+
+def test_prune_modes():
+    adv = torch.tensor([3., -0.5, 1, 0.1, -2, 0.2, 0.3, 4])
+    assert keep_mask(adv, 4, 0.5).tolist() == [True, False, True, False, True, False, False, True]
+    assert keep_mask(adv, 4, 0.5, mode="largest").tolist() == [False, True, False, True, False, True, True, False]
+    r1 = keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(0))
+    r2 = keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(r1, r2) and (group_view(r1, 4).sum(1) == 2).all()
+    seen = {tuple(keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(s)).tolist()) for s in range(20)}
+    assert len(seen) > 1
+    with pytest.raises(ValueError, match="mode='smallest'"):
+        keep_mask(adv, 4, 0.5, mode="smallest")

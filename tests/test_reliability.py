@@ -165,7 +165,7 @@ def write_gguf(path, arch):
 BAD_CONFIGS = {   # change -> (what the message must name, what it must say to do)
     "G < 2": (dict(num_generations=1), "num_generations=1", "use at least 2"),
     "micro-batch": (dict(micro_batch_size=3), "micro_batch_size=3", "pick a divisor of 8"),
-    "prune keeps 0": (dict(prune_rate=0.9), "prune_rate=0.9", "use a prune_rate below 0.875"),
+    "prune_rate 1": (dict(prune_rate=1.0), "prune_rate=1.0", "must be in [0, 1)"),
     "keep_ratio 0": (dict(keep_ratio=0.0), "keep_ratio=0.0", "must be in (0, 1]"),
     "keep_ratio > 1": (dict(keep_ratio=1.5), "keep_ratio=1.5", "must be in (0, 1]"),
     "wrong type": (dict(steps="3"), "steps='3'", "must be an integer"),
@@ -175,11 +175,43 @@ BAD_CONFIGS = {   # change -> (what the message must name, what it must say to d
     "missing gguf folder": (dict(model="/no/such/dir", gguf_file="m.gguf"), "model='/no/such/dir'", "no such folder"),
     "unsupported GGUF": ("rwkv7", "architecture 'rwkv7'", "use a GGUF file of one of llama"),
     "unreadable GGUF": (b"GGUF but not really", "is not a readable GGUF file", "download it again"),
+    # values that invert training or fail later with a raw error (issue 14, item 12)
+    "warmup_steps < 0": (dict(warmup_steps=-3), "warmup_steps=-3", "must be >= 0 (0: no warm-up)"),
+    "warmup_steps = -1": (dict(warmup_steps=-1), "warmup_steps=-1", "must be >= 0 (0: no warm-up)"),
+    "max_grad_norm < 0": (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0", "must be >= 0 (0 disables clipping)"),
+    "threads < 0": (dict(threads=-2), "threads=-2", "use 0 (torch's default) or a positive number"),
+    "lora_r 0": (dict(lora_r=0), "lora_r=0", "must be at least 1"),
+    "weight_decay < 0": (dict(weight_decay=-0.1), "weight_decay=-0.1", "must be >= 0"),
+    "num_shots too many": (dict(num_shots=3), "num_shots=3", "use 0 to 2"),
+    "num_shots < 0": (dict(num_shots=-1), "num_shots=-1", "use 0 to 2"),
+    "num_shots, eval_task": (dict(num_shots=3, eval_task="gsm8k"), "num_shots=3", "use 0 to 2"),
+    "reward_timeout 0": (dict(reward_timeout=0.0), "reward_timeout=0.0", "must be > 0 seconds"),
+    "eval_size < 0": (dict(eval_size=-1), "eval_size=-1", "must be >= 0"),
+    # the other numeric fields
+    "lora_alpha 0": (dict(lora_alpha=0), "lora_alpha=0", "must be > 0"),
+    "lora_dropout 1": (dict(lora_dropout=1.0), "lora_dropout=1.0", "must be in [0, 1)"),
+    "lora_dropout < 0": (dict(lora_dropout=-0.1), "lora_dropout=-0.1", "must be in [0, 1)"),
+    "eval_every < 0": (dict(eval_every=-1), "eval_every=-1", "must be >= 0"),
+    "save_every < 0": (dict(save_every=-5), "save_every=-5", "must be >= 0"),
+    "log_completions_every < 0": (dict(log_completions_every=-1), "log_completions_every=-1", "must be >= 0"),
+    "eval_samples < 0": (dict(eval_samples=-4), "eval_samples=-4", "must be >= 0"),
+    "vLLM memory 0": (dict(vllm_gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization=0.0", "must be in (0, 1]"),
+    "vLLM memory > 1": (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5", "must be in (0, 1]"),
+    "seed < 0": (dict(seed=-1), "seed=-1", "use 0 to 2147483647"),
+    "learning_rate inf": (dict(learning_rate=math.inf), "learning_rate=inf", "must be a finite number"),
+    "max_grad_norm nan": (dict(max_grad_norm=math.nan), "max_grad_norm=nan", "must be a finite number"),
+    "reward weight not a number": (dict(reward_weights=["1"]), "reward_weights=['1']", "each weight must be a finite number"),
+    # a reward function that cannot be imported (item 3); more cases in test_reward_functions_are_imported_with_the_config
+    "reward function missing": (dict(reward_funcs=["reward_fixtures:no_such"]), "'reward_fixtures:no_such'",
+                                "module 'reward_fixtures' has no attribute 'no_such'"),
+    # the current folder by accident (item 14)
+    "output_dir ''": (dict(output_dir=""), "output_dir=''", "name a folder, e.g. runs/latest"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
-def test_bad_config_fails_before_the_model_loads(case, tmp_path, no_model):
+def test_bad_config_fails_before_the_model_loads(case, tmp_path, no_model, monkeypatch):
+    monkeypatch.chdir(tmp_path)                               # output_dir='' must not write into the repository either
     change, names, fix = BAD_CONFIGS[case]
     if isinstance(change, str): change = dict(model=write_gguf(tmp_path / "m.gguf", change))
     if isinstance(change, bytes): (tmp_path / "m.gguf").write_bytes(change); change = dict(model=str(tmp_path / "m.gguf"))
@@ -199,6 +231,69 @@ def test_unknown_key_and_wrong_type_from_yaml_and_cli(tmp_path, no_model, capsys
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: ") and "'learning_rat' (did you mean 'learning_rate'?)" in err[0]
     assert err[1] == "error: steps='ten' must be an integer" and len(err) == 2
+
+
+def test_eval_size_0_is_refused_by_mmrgrpo_eval(no_model, capsys):
+    from mmrgrpo.cli import main
+    assert main(["eval", "model=tiny-random", "eval_size=0"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: eval_size=0: mmrgrpo eval needs at least 1 held-out task"]
+
+
+# --- a config file is code: its reward functions are imported when it is checked, before any model loads
+
+def test_reward_functions_are_imported_with_the_config(tmp_path, monkeypatch, no_model):
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('no GPU found')\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    cases = {"no_such_module_xyz:score": "importing 'no_such_module_xyz' raised ModuleNotFoundError: No module named "
+                                         "'no_such_module_xyz' (install it, or put its folder on PYTHONPATH)",
+             "reward_fixtures:no_such": "module 'reward_fixtures' has no attribute 'no_such'",
+             "math:pi": "is a float, not a function",
+             "broken_rewards:score": "importing 'broken_rewards' raised RuntimeError: no GPU found"}
+    for name, says in cases.items():
+        with pytest.raises(ConfigError) as e: load_config(reward_funcs=["accuracy", name], reward_weights=None)
+        msg = one_line(e)
+        assert msg.startswith(f"reward_funcs: ") and repr(name) in msg and says in msg, msg
+
+
+# --- a model's own code runs only with trust_remote_code=true
+
+def code_model(folder: Path, marker: Path) -> str:
+    "A model folder whose config.json maps the auto classes to its own marker.py, which writes `marker` when imported."
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "marker_model", "auto_map": {
+        "AutoConfig": "marker.MarkerConfig", "AutoModel": "marker.MarkerModel", "AutoModelForCausalLM": "marker.MarkerModel"}}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["marker.MarkerTokenizer", None]}}))
+    (folder / "marker.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('imported')\n")
+    return str(folder)
+
+
+TRUSTED = """
+import json, sys
+import mmrgrpo.trainer as T
+from mmrgrpo.config import load_config
+try: T.train(load_config(**json.loads(sys.argv[1])), progress=False)
+except Exception as e: print(type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("field", ["model", "embedding_model"])
+def test_model_code_runs_only_with_trust_remote_code(field, tmp_path):
+    from mmrgrpo.models import load_tokenizer
+    from mmrgrpo.vllm_backend import engine_kwargs
+    marker = tmp_path / "IMPORTED"
+    folder = code_model(tmp_path / "m", marker)
+    kw = {**BASE, "output_dir": str(tmp_path / "run"), **({"model": folder} if field == "model" else
+                                                         {"mmr": True, "embedding_model": folder})}
+    with pytest.raises(ConfigError) as e: train(load_config(**kw), progress=False)
+    assert f"{field}={folder!r} ships its own Python code" in one_line(e) and "trust_remote_code=true" in one_line(e)
+    with pytest.raises(ConfigError, match="trust_remote_code=true"): load_tokenizer(folder)
+    assert not marker.exists()
+    assert engine_kwargs(load_config(), "m", lora=False)["trust_remote_code"] is False
+    assert engine_kwargs(load_config(trust_remote_code=True), "m", lora=False)["trust_remote_code"] is True
+    # the same folder with trust_remote_code=true: its code runs (in a child: transformers caches the module in HF_MODULES_CACHE)
+    p = subprocess.run([sys.executable, "-c", TRUSTED, json.dumps({**kw, "trust_remote_code": True})], capture_output=True,
+                       text=True, timeout=600, env=child_env(HF_MODULES_CACHE=str(tmp_path / "modules")))
+    assert marker.read_text() == "imported", p.stdout[-2000:] + p.stderr[-3000:]
 
 
 # --- 4: bad data at train time names the file and row, before the model loads; skip_bad_rows skips and counts

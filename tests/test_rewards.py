@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mmrgrpo.rewards as R
-from mmrgrpo.rewards import (RewardFunctionError, accuracy_reward, compute_rewards, extract_boxed, format_reward,
+from mmrgrpo.rewards import (RewardFunctionError, accuracy_reward, check_golds, compute_rewards, extract_boxed, format_reward,
                              get_reward_funcs, parse_gold, reward_counters, reward_name, shutdown_verifier, verify_batch)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,35 @@ def _gone_within(pids, seconds: float) -> bool:
 @pytest.mark.parametrize("gold,value", [("42", 42), ("-3", -3), ("1,234", 1234), ("-1,000,000", -1000000), (" 7 ", 7), (7, 7)])
 def test_parse_gold_numbers(gold, value):
     assert parse_gold(gold)[0] == value
+
+
+@pytest.mark.parametrize("gold", [True, False, None, [1, 2], {"a": 1}, float("nan"), float("inf")])
+def test_parse_gold_accepts_only_strings_and_numbers(gold):
+    "str(True) parses as the product E*r*t*u of four symbols; a list or dict as a set or worse. None of them is an answer."
+    with pytest.raises(ValueError, match=r"is a \w+, not a string or a number|is not a finite number"): parse_gold(gold)
+
+
+def test_a_gold_answer_that_is_no_answer_scores_nothing():
+    before = reward_counters()
+    assert accuracy_reward(["q"] * 2, ["\\boxed{True}", "\\boxed{1}"], answer=[True, 1]) == [0.0, 1.0]
+    assert _delta(before) == {"timeouts": 0, "errors": 1}
+
+
+def test_check_golds_bounds_time_and_messages():
+    "Gold answers are parsed in the verifier processes, under a time limit; what comes back is a short reason per answer."
+    nested, huge = "{" * 5000 + "1" + "}" * 5000, "1" * 10**7       # minutes of parsing each, in the main process
+    before = reward_counters()
+    why = check_golds(["18", 0.5, True, [1], "\\boxed{}", nested, huge], timeout=0.5)
+    assert why[:5] == [None, None, "is a bool, not a string or a number", "is a list, not a string or a number", "cannot be parsed"]
+    assert all(w.startswith("took more than 0.5 s to parse") for w in why[5:]), why[5:]
+    assert _delta(before) == {"timeouts": 0, "errors": 0}              # data checks are not reward metrics
+    assert check_golds([]) == [] and verify_batch(["5"], ["\\boxed{5}"]) == [1.0]
+    with pytest.raises(ValueError, match="positive number of seconds"): check_golds(["1"], timeout=0)
+
+
+def test_parse_gold_messages_are_short():
+    with pytest.raises(ValueError) as e: parse_gold(["x" * 10**6])
+    assert len(str(e.value)) < 200
 
 
 def test_parse_gold_latex_and_boxed_agree():

@@ -133,7 +133,7 @@ def test_groups_are_ranked_separately_unless_batch_scope():
     assert torch.equal(select_tokens(two_s, two_m, 2, keep_ratio=0.3), torch.cat([keep, keep]))
     batch = select_tokens(two_s, two_m, 2, keep_ratio=0.3, scope="batch")            # top 3 of 10: 2.0, 1.0, 0.5
     assert batch.tolist() == [[True, True, False], [True, False, False], [False] * 3, [False] * 3]
-    with pytest.raises(ValueError, match="multiple of num_generations"):
+    with pytest.raises(ValueError, match="cannot be split into groups of 2"):
         select_tokens(torch.ones(3, 2), torch.ones(3, 2), 2)
 
 

@@ -1,12 +1,19 @@
-"""The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, and the module imports
-without vLLM. On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout of real outputs, LoRA and full-weight
-sync, sleep mode, the sampler/trainer log-prob gap, and a short training run with `generation_backend: vllm`."""
-import importlib.util, sys
+"""The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, the module imports
+without vLLM, the engine's arguments (dtype, sizes), one engine per process (reused, closed, its temp folder removed), whether
+vLLM can load here, and the `[vllm]` extra's bounds. On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout
+of real outputs, LoRA and full-weight sync, sleep mode, the sampler/trainer log-prob gap, closing and rebuilding the engine,
+and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process and these tests
+build different engines, so run each GPU test in its own process (bench/gpu_check.sh does)."""
+import importlib.util, sys, tomllib
+from pathlib import Path
 from types import SimpleNamespace
 import pytest, torch
+from packaging.requirements import Requirement
+from mmrgrpo import vllm_backend
 from mmrgrpo.config import load_config
 from mmrgrpo.sampling import HFBackend, completion_mask
-from mmrgrpo.vllm_backend import VLLMBackend, logprob_gap, outputs_to_lists, rollout_from_token_ids
+from mmrgrpo.vllm_backend import (VLLM_MAX_BATCHED_TOKENS, VLLMBackend, close_engine, engine_fits, engine_kwargs, logprob_gap,
+                                  outputs_to_lists, rollout_from_token_ids, vllm_status)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -60,17 +67,17 @@ def test_without_vllm_the_module_imports_and_the_backend_says_what_to_install(ti
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install 'mmrgrpo[vllm]')")
 
 
-def policy_and_backend(**kw):
+def policy_and_backend(prefix_caching=True, **kw):
     from mmrgrpo.models import load_policy
-    c = load_config(model="smollm2", dtype="bfloat16", vllm_gpu_memory_utilization=0.25, max_completion_length=64, **kw)
+    c = load_config(model="smollm2", vllm_gpu_memory_utilization=0.25, max_completion_length=64, **kw)
     model, tok = load_policy(c)
-    return c, model, tok, VLLMBackend(model, tok, c)
+    return c, model, tok, VLLMBackend(model, tok, c, prefix_caching=prefix_caching)
 
 
 @pytest.mark.gpu
 @needs_vllm
 def test_vllm_lora_sampling_seed_layout_sync_and_gap():
-    c, model, tok, backend = policy_and_backend(lora_r=16)
+    c, model, tok, backend = policy_and_backend(lora_r=16, prefix_caching=False)   # a warm prefix cache changes the numerics
     prompts = [chat(tok, "What is 7 + 5? Put the final answer in \\boxed{}."), chat(tok, "What is 2 + 2?")]
     ro = backend.generate(prompts, 4, 64, seed=0)
     assert backend.generate(prompts, 4, 64, seed=0).completions == ro.completions          # seeded
@@ -114,7 +121,7 @@ def test_vllm_full_weight_sync_and_sleep():
 @needs_vllm
 def test_training_with_the_vllm_backend(tmp_path):
     from mmrgrpo.trainer import read_metrics, train
-    c = load_config(model="smollm2", dtype="bfloat16", generation_backend="vllm", vllm_gpu_memory_utilization=0.25, steps=2,
+    c = load_config(model="smollm2", generation_backend="vllm", vllm_gpu_memory_utilization=0.25, steps=2,
                     num_generations=4, prompts_per_step=2, max_completion_length=32, eval_size=4, save_every=1,
                     log_completions_every=0, output_dir=str(tmp_path))
     res = train(c, progress=False)
@@ -122,11 +129,28 @@ def test_training_with_the_vllm_backend(tmp_path):
     assert [r["step"] for r in rows if "reward" in r] == [1, 2] and "eval/accuracy" in res.eval_after
 
 
+@pytest.mark.gpu
+@needs_vllm
+def test_vllm_engine_is_reused_then_closed_and_rebuilt():
+    c, model, tok, first = policy_and_backend(lora_r=16)
+    again = VLLMBackend(model, tok, c)                     # a second run in this process (a notebook re-run): the same engine
+    assert again.engine is first.engine and again.lora_request.lora_int_id == first.lora_request.lora_int_id + 1
+    prompts = [chat(tok, "What is 3 + 4?")]
+    assert len(again.generate(prompts, 2, 16, seed=0).completions) == 2
+    folder, free = again.folder, torch.cuda.mem_get_info()[0]
+    again.close()
+    assert not folder.exists() and vllm_backend._ENGINE is None and torch.cuda.mem_get_info()[0] >= free
+    fresh = VLLMBackend(model, tok, c)                     # after close, a new sleep-mode engine in the same process
+    assert fresh.engine is not first.engine and len(fresh.generate(prompts, 2, 16, seed=0).completions) == 2
+    fresh.close()
+
+
 # ---------------------------------------------------------------- the backend's control flow, on the CPU, with a fake vLLM
 class FakeLLM:
     "Records what the backend asks of vLLM; answers each request with seeded random tokens (stop id 2 or max_tokens)."
     def __init__(self, **kw):
         self.kw, self.calls, self.asleep, self.loaded = kw, [], False, []
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: self.calls.append("shutdown")))
     def sleep(self, level=1): assert not self.asleep and level == 1; self.asleep = True; self.calls.append("sleep")
     def wake_up(self): assert self.asleep; self.asleep = False; self.calls.append("wake")
     def apply_model(self, f): assert not self.asleep; return [f(SimpleNamespace(load_weights=lambda w: self.loaded.append(dict(w))))]
@@ -147,13 +171,16 @@ class FakeLLM:
 
 @pytest.fixture()
 def fake_vllm(monkeypatch):
+    "A fake `vllm` module; the list of engines it built. The process's engine starts empty and is closed afterwards."
     made = []
     def llm(**kw): made.append(FakeLLM(**kw)); return made[-1]
     lora = SimpleNamespace(LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, lora_path=path))
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm, SamplingParams=lambda **kw: SimpleNamespace(**kw)))
     monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=lora))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
-    return made
+    close_engine()
+    yield made
+    close_engine()
 
 
 def test_backend_flow_lora(fake_vllm, tokenizer):
@@ -178,13 +205,15 @@ def test_backend_flow_lora(fake_vllm, tokenizer):
     assert llm.calls[-2] == ("generate", 4)
 
 
-def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path):
+def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path, capsys):
     from mmrgrpo.trainer import read_metrics, train
     c = load_config(model="tiny-random", lora=False, beta=0.0, generation_backend="vllm", steps=2, num_generations=4,
                     prompts_per_step=2, max_completion_length=6, eval_size=2, save_every=0, log_completions_every=0,
                     output_dir=str(tmp_path))
     res = train(c, progress=False)
+    assert capsys.readouterr().out.count("precision: weights float32, autocast ") == 1      # the choice, printed once
     llm = fake_vllm[0]
+    assert llm.kw["max_num_seqs"] == 8 and llm.kw["max_num_batched_tokens"] == VLLM_MAX_BATCHED_TOKENS
     assert "enable_lora" not in llm.kw and len(llm.loaded) == 2         # the full weights, loaded once after each update
     assert set(llm.loaded[-1]) == set(res.model.state_dict()) and torch.equal(
         llm.loaded[-1]["model.norm.weight"], res.model.state_dict()["model.norm.weight"])
@@ -192,3 +221,107 @@ def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path):
     assert all(llm.calls[i - 1] in ("wake", "reset") and llm.calls[i + 1] == "sleep" for i in gens)
     assert llm.calls.count("reset") == 2
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r] == [1, 2]
+    # a second run in the same process (a notebook re-run) reuses the engine and first loads its own fresh weights into it
+    again = train(load_config(**{**vars(c), "output_dir": str(tmp_path / "again")}), progress=False)
+    assert len(fake_vllm) == 1 and len(llm.loaded) == 5 and torch.equal(
+        llm.loaded[2]["model.norm.weight"], torch.ones_like(llm.loaded[2]["model.norm.weight"]))   # run 2's initial weights
+    folder = again.backend.folder
+    again.backend.close()
+    assert llm.calls[-2:] == ["wake", "shutdown"] and not folder.exists()
+
+
+@pytest.mark.parametrize("world,prune_rate,allocation,seqs", [(1, 0.0, False, 32), (2, 0.0, False, 16), (1, 0.5, True, 64)])
+def test_engine_is_sized_for_one_step(world, prune_rate, allocation, seqs):
+    "max_num_seqs: the B*G completions a process samples per step; a bounded token budget per engine step."
+    c = load_config(model="tiny-random", prompts_per_step=4, num_generations=8, prune_rate=prune_rate, allocation=allocation)
+    kw = engine_kwargs(c, "m", lora=True, world=world, bf16=True)
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["dtype"]) == (seqs, VLLM_MAX_BATCHED_TOKENS, "bfloat16")
+    assert kw["enable_prefix_caching"] and not engine_kwargs(c, "m", lora=True, prefix_caching=False)["enable_prefix_caching"]
+
+
+def test_which_engines_fit():
+    have = dict(model=("smollm2", None, None), dtype="bfloat16", max_model_len=576, max_lora_rank=16, enable_lora=True,
+                enable_sleep_mode=True, seed=0, max_num_seqs=64)
+    assert engine_fits(have, {**have, "seed": 5, "max_num_seqs": 8, "max_model_len": 544, "max_lora_rank": 8})
+    assert not engine_fits(have, {**have, "max_model_len": 1024})
+    assert not engine_fits(have, {**have, "model": ("Qwen/Qwen2.5-0.5B-Instruct", None, None)})
+    assert not engine_fits(have, {k: v for k, v in have.items() if k not in ("enable_lora", "max_lora_rank")})
+
+
+def test_one_engine_per_process_reused_and_closed(fake_vllm, tokenizer):
+    from mmrgrpo.models import load_policy
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    model, tok = load_policy(c)
+    first = VLLMBackend(model, tok, c)
+    second = VLLMBackend(model, tok, load_config(**{**vars(c), "seed": 0, "max_completion_length": 4}))   # shorter: it fits
+    assert len(fake_vllm) == 1 and second.engine is first.engine
+    assert second.lora_request.lora_int_id == 2           # adapter ids go on: vLLM caches adapters by id
+    assert second.sleeping and fake_vllm[0].calls.count("sleep") == 1
+    folder = first.folder
+    assert folder.exists() and str(folder).startswith(str(Path(__import__("tempfile").gettempdir())))
+    bigger = VLLMBackend(model, tok, load_config(**{**vars(c), "lora_r": 16}))        # needs a larger LoRA rank: a new engine
+    assert len(fake_vllm) == 2 and fake_vllm[0].calls[-2:] == ["wake", "shutdown"] and not folder.exists()
+    bigger.close()
+    assert fake_vllm[1].calls[-1] == "shutdown" and not bigger.folder.exists() and vllm_backend._ENGINE is None
+    bigger.close()                                          # closing twice is harmless
+    VLLMBackend(model, tok, c)
+    assert len(fake_vllm) == 3                              # after close, a new engine
+
+
+def test_vllm_refusing_a_second_sleep_mode_engine_says_what_to_do(fake_vllm, monkeypatch, tokenizer):
+    from mmrgrpo.models import load_policy
+    def refuse(**kw): raise AssertionError("Sleep mode can only be used for one instance per process.")
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", refuse)
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    model, tok = load_policy(c)
+    before = set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*"))
+    with pytest.raises(RuntimeError, match="restart the Python process"):
+        VLLMBackend(model, tok, c)
+    assert set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*")) <= before      # its temp folder is gone
+
+
+def fake_package(root: Path, kernels_error: str = None, version: str = "0.19.1"):
+    (root / "vllm").mkdir()
+    (root / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (root / "vllm" / "_C.py").write_text(f"raise OSError({kernels_error!r})\n" if kernels_error else "")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
+@pytest.mark.parametrize("case", ["missing", "wrong CUDA", "no GPU", "works"])
+def test_vllm_status(case, tmp_path, monkeypatch):
+    "Whether the Colab notebook samples with vLLM or falls back to transformers (with the reason, on one line)."
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
+    if case != "missing":
+        fake_package(tmp_path, "libcudart.so.13: cannot open shared object file: No such file or directory\nmore"
+                     if case == "wrong CUDA" else None)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: case == "works")
+    ok, why = vllm_status()
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
+    assert ok == (case == "works") and "\n" not in why
+    assert why == {"missing": "vLLM is not installed", "no GPU": "no CUDA GPU is visible", "works": "vLLM 0.19.1",
+                   "wrong CUDA": "vLLM does not load (OSError: libcudart.so.13: cannot open shared object file: No such file or "
+                                 "directory)"}[case]
+
+
+# Read from each wheel's METADATA (pip install --dry-run --no-deps --report): vLLM -> (its torch pin, the CUDA major version of
+# that torch's PyPI wheel: 12.8 up to torch 2.10, 13 from 2.11; its transformers pin).
+VLLM_PINS = {"0.10.2": ("2.8.0", 12, ">=4.55.2"), "0.11.2": ("2.9.0", 12, "<5,>=4.56.0"), "0.14.1": ("2.9.1", 12, "<5,>=4.56.0"),
+             "0.17.1": ("2.10.0", 12, "<5,>=4.56.0"), "0.18.1": ("2.10.0", 12, "<5,>=4.56.0"),
+             "0.19.1": ("2.10.0", 12, "!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.0,>=4.56.0"),
+             "0.20.2": ("2.11.0", 13, "!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.0,>=4.56.0"),
+             "0.24.0": ("2.11.0", 13, ">=5.5.3"), "0.27.1": ("2.13.0", 13, ">=5.5.3"), "0.33.0": ("2.14.0", 13, "<5.21.0,>=5.16.1")}
+
+
+def test_vllm_extra_is_bounded_to_builds_for_cuda_12():
+    "Colab's runtime is CUDA 12: no CUDA-13 vLLM; and only releases whose transformers pin knows about 5.x and meets our floor."
+    from packaging.specifiers import SpecifierSet
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    (req,) = [Requirement(r) for r in meta["optional-dependencies"]["vllm"]]
+    assert req.name == "vllm" and any(s.operator == "<" for s in req.specifier), "the extra needs an upper bound"
+    floor = next(Requirement(r) for r in meta["dependencies"] if r.startswith("transformers")).specifier
+    for v, (torch_pin, cuda, tf_pin) in VLLM_PINS.items():
+        knows_5 = "<5" in tf_pin or "!=5" in tf_pin                     # 0.10.2 admits transformers 5, which it predates
+        assert (v in req.specifier) == (cuda == 12 and knows_5), v
+        if v in req.specifier:                                           # some transformers release satisfies both pins
+            assert any(t in floor and t in SpecifierSet(tf_pin) for t in ("4.56.0", "4.57.1", "5.6.0", "5.24.0")), v

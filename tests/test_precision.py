@@ -1,0 +1,132 @@
+"""Precision: one helper (`choose_dtype`) decides the weights' dtype and the update's autocast from the hardware, for the trainer,
+the models and the vLLM backend; CPU flags and CUDA capabilities are faked. Also: activation checkpointing is non-reentrant
+under QLoRA as under 16-bit weights, and no deprecated transformers names are called."""
+import warnings
+from pathlib import Path
+import pytest, torch
+from mmrgrpo import models
+from mmrgrpo.config import ConfigError, load_config
+from mmrgrpo.models import Precision, autocast, choose_dtype, cpu_flags, load_policy
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.fixture()
+def hardware(monkeypatch):
+    "Fake the CPU's flags and the GPU's compute capability: hardware(flags=..., capability=..., cuda=whether a GPU is visible)."
+    def set_(flags=(), capability=(8, 0), cuda=False):
+        monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)    # what a T4 answers: emulation counts
+        if cuda: monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # (bitsandbytes must be imported already)
+    return set_
+
+
+@pytest.mark.parametrize("device,flags,capability,frozen_base,weights,ac", [
+    ("cpu", {"avx512f", "avx512_bf16"}, None, True, F32, BF16),     # weights stay fp32 on a CPU; bf16 autocast where it is fast
+    ("cpu", {"amx_bf16", "amx_tile"}, None, False, F32, BF16),
+    ("cpu", {"avx2", "avx512f"}, None, True, F32, None),             # no native bf16: fp32 throughout
+    ("cuda", (), (7, 5), True, F16, F16),                            # T4: fp16, never bf16
+    ("cuda", (), (7, 5), False, F32, F16),                           # full fine-tuning keeps fp32 weights, autocasts
+    ("cuda", (), (8, 0), True, BF16, BF16),                          # A100
+    ("cuda", (), (9, 0), False, F32, BF16),                          # H100, full fine-tuning
+    ("cuda", (), (6, 1), True, F32, None),                           # Pascal: no fast 16-bit
+])
+def test_auto_precision_per_hardware(hardware, device, flags, capability, frozen_base, weights, ac):
+    hardware(flags, capability or (8, 0))
+    p = choose_dtype(device, "auto", "auto", frozen_base=frozen_base)
+    assert (p.weights, p.autocast) == (weights, ac)
+    assert ("CUDA compute capability {}.{}".format(*capability) if device == "cuda" else "CPU") in p.reason
+    assert p.metrics() == {"precision/weights": str(weights)[6:], "precision/autocast": str(ac)[6:] if ac else "off"}
+
+
+def test_explicit_choices_win_over_the_hardware(hardware):
+    hardware({"amx_bf16"}, (7, 5))
+    assert choose_dtype("cpu", "float32", False) == Precision(F32, None, "CPU with amx_bf16")
+    p = choose_dtype("cuda", "bfloat16", True)
+    assert (p.weights, p.autocast) == (BF16, BF16)                  # what you ask for, even on a T4
+    hardware(set(), (9, 0))
+    assert choose_dtype("cpu", "auto", True).autocast is BF16          # true forces bf16 even where it is slow
+    assert choose_dtype("cuda", "float32", False).autocast is None
+
+
+def test_vllm_and_models_agree_on_a_t4(hardware):
+    "is_bf16_supported() says True on a T4 (emulation); vLLM refuses bf16 below compute capability 8.0."
+    from mmrgrpo.vllm_backend import engine_kwargs, vllm_dtype
+    hardware((), (7, 5), cuda=True)
+    assert vllm_dtype() == "float16" and choose_dtype("cuda").weights is F16
+    assert engine_kwargs(load_config(model="tiny-random"), "m", lora=True)["dtype"] == "float16"
+    hardware((), (8, 6), cuda=True)
+    assert vllm_dtype() == "bfloat16" and choose_dtype("cuda").weights is BF16
+
+
+@pytest.mark.parametrize("flags,expected", [({"amx_bf16"}, BF16), ({"avx2"}, None)])
+def test_autocast_auto_follows_the_cpu_flags(hardware, flags, expected):
+    hardware(flags)
+    for setting, dtype in (("auto", expected), (True, BF16), (False, None)):
+        with autocast(setting, "cpu"):
+            assert torch.is_autocast_enabled("cpu") == (dtype is not None)
+            if dtype is not None: assert torch.get_autocast_dtype("cpu") == dtype
+
+
+def test_cpu_flags_reads_this_machine():
+    flags = cpu_flags()
+    assert isinstance(flags, frozenset)
+    if Path("/proc/cpuinfo").exists(): assert "fpu" in flags or "fp" in flags or flags     # x86 lists fpu; ARM lists fp
+
+
+def test_config_dtype_fields_take_auto_and_explicit_values():
+    c = load_config()
+    assert (c.dtype, c.autocast_bf16) == ("auto", "auto")
+    assert load_config(overrides=["autocast_bf16=true", "dtype=float16"]).autocast_bf16 is True
+    assert load_config(overrides=["autocast_bf16=auto"]).autocast_bf16 == "auto"
+    with pytest.raises(ConfigError, match=r"autocast_bf16='yes' must be true or false or 'auto'"):
+        load_config(autocast_bf16="yes")
+    with pytest.raises(ConfigError, match=r"dtype='half' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"):
+        load_config(dtype="half")
+
+
+def test_auto_keeps_weights_fp32_on_a_cpu_even_with_bf16_hardware(hardware):
+    hardware({"amx_bf16"})
+    model, _ = load_policy(load_config(model="tiny-random", lora_r=4), device="cpu")
+    assert {p.dtype for p in model.parameters()} == {F32}
+    model, _ = load_policy(load_config(model="tiny-random", lora_r=4, dtype="bfloat16"), device="cpu")
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {F32}     # the trained adapter stays fp32
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" not in n} == {BF16}
+
+
+def checkpointing(model):
+    "(flags, checkpoint kwargs) of the decoder layers."
+    layers = model.get_base_model().model.layers
+    return {l.gradient_checkpointing for l in layers}, [getattr(l, "_gradient_checkpointing_func").keywords for l in layers]
+
+
+@pytest.mark.parametrize("four_bit", [False, True])
+def test_checkpointing_is_non_reentrant_with_and_without_4bit(monkeypatch, four_bit):
+    "QLoRA went through peft's own checkpointing call (reentrant, the deprecated name); now both paths are the same."
+    make = models.tiny_random_model
+    def tiny(*a, **k):
+        m = make(*a, **k)
+        if four_bit: m.is_loaded_in_4bit = True      # what from_pretrained sets on a bitsandbytes model: peft's kbit path
+        return m
+    monkeypatch.setattr(models, "tiny_random_model", tiny)
+    c = load_config(model="tiny-random", lora_r=4, load_in_4bit=four_bit, gradient_checkpointing=True, autocast_bf16=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, tok = load_policy(c)
+    deprecated = [str(w.message) for w in caught if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
+    assert not deprecated, deprecated
+    flags, kwargs = checkpointing(model)
+    assert flags == {True} and all(k == {"use_reentrant": False} for k in kwargs)
+    # and it computes the gradients the unchecked model computes
+    plain, _ = load_policy(load_config(model="tiny-random", lora_r=4, autocast_bf16=False))
+    plain.load_state_dict(model.state_dict())
+    ids = tok("What is 2 + 3? Think step by step.", return_tensors="pt").input_ids
+    grads = []
+    for m in (model, plain):
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n: p.fill_(0.01)
+        m(ids).logits.float().logsumexp(-1).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])

@@ -91,6 +91,7 @@ def _worker_main(fd: int):
         except (EOFError, OSError): return
         try:
             score_fn, gold, completion = pickle.loads(task)
+            if isinstance(score_fn, str): score_fn = globals()[score_fn]   # one of ours, by name (see `check_golds`)
             conn.send((float((score_fn or _score_pair)(gold, completion)), False))
         except Exception: conn.send((0.0, True))
 
@@ -189,7 +190,8 @@ atexit.register(shutdown_verifier)
 
 def _run_in_pool(score_fn, golds: list, completions: list, timeout: float) -> tuple[list[float], list[str]]:
     "`(score_fn or _score_pair)(gold, completion)` for each pair in the verifier processes: scores and flags (see `_VerifierPool.run`)."
-    # Workers import `score_fn` by name with the sys.path they started with.
+    # `score_fn`: None (`_score_pair`), the name of a function of this module, or a function the workers import by name with
+    # the sys.path they started with.
     payloads = [pickle.dumps((score_fn, g, str(c))) for g, c in zip(golds, completions)]
     global _POOL
     with _POOL_LOCK:
@@ -223,7 +225,8 @@ def check_golds(golds: list, timeout: float = 2.0) -> list[str | None]:
     why = [_not_a_gold(g) for g in golds]                     # wrong types never reach the parser
     todo = [i for i, w in enumerate(why) if w is None]
     if todo:
-        scores, flags = _run_in_pool(_gold_parses, [golds[i] for i in todo], [""] * len(todo), timeout)
+        # by name: the workers run the installed module, whose function pickle cannot name when this runs in a notebook
+        scores, flags = _run_in_pool("_gold_parses", [golds[i] for i in todo], [""] * len(todo), timeout)
         for i, s, f in zip(todo, scores, flags):
             if f == "timeout": why[i] = f"took more than {timeout:g} s to parse (the limit is reward_timeout)"
             elif f == "error": why[i] = "made the parser fail"

@@ -31,7 +31,8 @@ from .rewards import compute_rewards, get_reward_funcs, accuracy_reward
 from .models import load_policy, check_model_source, reference_context, trainable_parameters, autocast, choose_dtype
 from .sampling import HFBackend, Rollout
 from .advantages import group_advantages, group_view, group_runs, frac_zero_std
-from .loss import completion_stats, per_token_loss, loss_weights, aggregate_loss
+from .logprobs import completion_stats
+from .loss import per_token_loss, loss_weights, aggregate_loss
 from .mmr import mmr_reweight_groups, dra_reweight, share_duplicates, zero_std_groups_revived, load_embedder, embed_completions
 from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages

@@ -278,7 +278,7 @@ class VLLMBackend:
 @torch.no_grad()
 def logprob_gap(backend, model, ro: Rollout, micro_batch_size: int = 8) -> dict:
     "Mean and max |trainer log-prob - sampler log-prob| over the completion tokens of `ro`."
-    from mmrgrpo.loss import completion_stats
+    from mmrgrpo.logprobs import completion_stats
     theirs = getattr(ro, "sampler_logprobs", None)
     if theirs is None: theirs = backend.score(ro)
     ours = torch.cat([completion_stats(model, ro.prompt_ids[i:i + micro_batch_size], ro.prompt_mask[i:i + micro_batch_size],

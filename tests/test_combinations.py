@@ -2,7 +2,7 @@
 import copy, warnings
 import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
-from mmrgrpo.loss import completion_stats
+from mmrgrpo.logprobs import completion_stats
 from mmrgrpo.mmr import embed_completions, load_embedder, mmr_reweight_groups, dra_reweight
 from mmrgrpo.models import tiny_random_model
 from mmrgrpo.sampling import Rollout

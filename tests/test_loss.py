@@ -2,7 +2,8 @@
 import math
 import pytest, torch
 from mmrgrpo.advantages import group_advantages
-from mmrgrpo.loss import aggregate_loss, completion_stats, per_token_loss, token_stats
+from mmrgrpo.loss import aggregate_loss, per_token_loss
+from mmrgrpo.logprobs import completion_stats, token_stats
 
 
 def test_section2_example():

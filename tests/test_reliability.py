@@ -450,7 +450,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monkey
 
 MEMORY = """
 import json, resource, sys, torch
-from mmrgrpo.loss import completion_stats
+from mmrgrpo.logprobs import completion_stats
 from mmrgrpo.models import load_tokenizer, resolve_model, tiny_random_model
 N, P, T, CHUNK = 8, 16, 512, 256
 tok = load_tokenizer(resolve_model("smollm2"))

@@ -2,8 +2,8 @@
 without vLLM, the engine's arguments (dtype, sizes), one engine per process (reused, closed, its temp folder removed), whether
 vLLM can load here, and the `[vllm]` extra's bounds. On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout
 of real outputs, LoRA and full-weight sync, sleep mode, the sampler/trainer log-prob gap, closing and rebuilding the engine,
-and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process and these tests
-build different engines, so run each GPU test in its own process (bench/gpu_check.sh does)."""
+and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process: the LoRA tests share
+one engine; run the full-weight test in a process of its own (bench/gpu_check.sh does)."""
 import importlib.util, sys, tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,7 +50,7 @@ def test_vllm_shaped_outputs_give_the_hf_backend_layout(tiny_model, tokenizer):
     assert (ro.prompts, ro.completions, ro.group_size) == (ref.prompts, ref.completions, ref.group_size)
     assert torch.allclose(ro.sampler_logprobs, logp * ref.completion_mask)
     # against the trainer's own log-probs shifted by 0.125, the gap is 0.125
-    from mmrgrpo.loss import completion_stats
+    from mmrgrpo.logprobs import completion_stats
     own = completion_stats(tiny_model, ref.prompt_ids, ref.prompt_mask, ref.completion_ids, ref.completion_mask)[0].detach()
     ro.sampler_logprobs = own + 0.125
     g = logprob_gap(None, tiny_model, ro)
@@ -67,20 +67,27 @@ def test_without_vllm_the_module_imports_and_the_backend_says_what_to_install(ti
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install 'mmrgrpo[vllm]')")
 
 
-def policy_and_backend(prefix_caching=True, **kw):
+def policy_and_backend(**kw):
+    "SmolLM2 and a vLLM backend; with LoRA r=16 (the default) every test below shares the process's one engine."
     from mmrgrpo.models import load_policy
     c = load_config(model="smollm2", vllm_gpu_memory_utilization=0.25, max_completion_length=64, **kw)
     model, tok = load_policy(c)
-    return c, model, tok, VLLMBackend(model, tok, c, prefix_caching=prefix_caching)
+    return c, model, tok, VLLMBackend(model, tok, c)
+
+
+def cold_generate(backend, *args, **kw):
+    "Generate from an empty prefix cache: a warm cache changes the numerics, so equal seeds are only compared cold."
+    with backend.awake() as llm: llm.reset_prefix_cache()
+    return backend.generate(*args, **kw)
 
 
 @pytest.mark.gpu
 @needs_vllm
 def test_vllm_lora_sampling_seed_layout_sync_and_gap():
-    c, model, tok, backend = policy_and_backend(lora_r=16, prefix_caching=False)   # a warm prefix cache changes the numerics
+    c, model, tok, backend = policy_and_backend(lora_r=16)
     prompts = [chat(tok, "What is 7 + 5? Put the final answer in \\boxed{}."), chat(tok, "What is 2 + 2?")]
-    ro = backend.generate(prompts, 4, 64, seed=0)
-    assert backend.generate(prompts, 4, 64, seed=0).completions == ro.completions          # seeded
+    ro = cold_generate(backend, prompts, 4, 64, seed=0)
+    assert cold_generate(backend, prompts, 4, 64, seed=0).completions == ro.completions     # seeded
     assert ro.completions != backend.generate(prompts, 4, 64, seed=1).completions
     enc = HFBackend(model, tok).tokenize(prompts)
     assert torch.equal(ro.prompt_ids.cpu(), enc.input_ids.repeat_interleave(4, 0))
@@ -103,7 +110,7 @@ def test_vllm_lora_sampling_seed_layout_sync_and_gap():
 @pytest.mark.gpu
 @needs_vllm
 def test_vllm_full_weight_sync_and_sleep():
-    c, model, tok, backend = policy_and_backend(lora=False, vllm_sleep=True)
+    c, model, tok, backend = policy_and_backend(lora=False, vllm_sleep=True, dtype="bfloat16")    # the sampler's dtype
     prompts = [chat(tok, "What is 3 + 4?")]
     assert backend.sleeping                                # asleep between generations: the update has the memory
     free_asleep = torch.cuda.mem_get_info()[0]

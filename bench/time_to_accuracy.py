@@ -83,6 +83,7 @@ def run_arm(c, run_dir: Path) -> list:
     if tr.latest_checkpoint(run_dir) is not None:
         print(f"  resuming from {tr.latest_checkpoint(run_dir)}", flush=True)
         c = dataclasses.replace(c, resume_from="latest")
+    else: c = dataclasses.replace(c, overwrite=True)          # an attempt that died before its first checkpoint: start over
     tr.train(c, progress=False)
     return tr.read_metrics(run_dir / "metrics.jsonl")
 

@@ -11,13 +11,13 @@ __all__ = ['ARITHMETIC_LEVELS', 'READERS', 'KNOWN_DATASETS', 'TRAIN_SEED', 'EVAL
            'check_prompt_lengths']
 
 # %% ../nbs/02_data.ipynb #847b2675
-import json, logging, numbers, os, random
+import json, logging, os, random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
-from .rewards import check_golds, _clip
+from .rewards import check_golds, _clip, _not_a_gold
 
 _log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ def _read_jsonl(path: Path):
             yield row, _BadRow(f"invalid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}); re-save the file as UTF-8")
             continue
         try: obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            yield row, _BadRow(f"invalid JSON ({e.msg} at column {e.colno}): {text[:60]!r}")
+        except ValueError as e:      # bad JSON, or an integer of more than 4300 digits, which Python will not read
+            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else _clip(str(e).split(";")[0])
+            yield row, _BadRow(f"invalid JSON ({why}): {text[:60]!r}")
             continue
         yield row, obj if isinstance(obj, dict) else _BadRow(f"expected a JSON object, got {type(obj).__name__}")
 
@@ -126,6 +127,8 @@ def _read_json(path: Path):
     except json.JSONDecodeError as e:
         if e.msg == "Extra data": yield from _read_jsonl(path); return      # one object per line, named .json
         raise DataError(f"{path} line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:          # an integer of more than 4300 digits, which Python will not read
+        raise DataError(f"{path}: invalid JSON ({_clip(str(e).split(';')[0])}); write such numbers as strings") from None
     if not isinstance(obj, list): raise DataError(f"{path}: expected a list of objects, got a {type(obj).__name__}")
     if not obj: raise _empty(path)
     for row, item in enumerate(obj, 1):
@@ -154,8 +157,8 @@ def _to_record(row: dict, question_field: str = "question", answer_field: str = 
             raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); pass {which}= to name the right one")
     question, raw = str(row[question_field]), row[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
-    if isinstance(raw, bool) or not isinstance(raw, (str, numbers.Real)):     # true would become the text 'True'
-        raise _BadRow(f"gold answer {_clip(repr(raw))} is a {type(raw).__name__}: write it as a string or a number")
+    if why := _not_a_gold(raw):              # JSON true would become the text 'True', which parses as a product of symbols
+        raise _BadRow(f"gold answer {_clip(repr(raw))} {why}; fix the row or pass skip_bad_rows=True")
     raw = str(raw)
     answer = gold(raw) if gold else raw.strip()
     extra = {k: v for k, v in row.items() if k not in (question_field, answer_field)}

@@ -1,4 +1,4 @@
-"""Each prompt G times in one batched `generate` call: left padding, KV cache, stop at end-of-sequence, and the masks the loss needs.
+"""Each prompt G times in one batch: left padding, a shared prompt prefill, a KV cache, rows that leave the batch at end-of-sequence, and the masks the loss needs.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
@@ -131,10 +131,13 @@ if DynamicLayer is not None:
             return self.keys, self.values
 
         def batch_select_indices(self, indices: torch.Tensor):
-            "Keep only the batch rows `indices`, reserved room included (one copy of the kept rows)."
+            "Keep the batch rows `indices`, in that order, in place: only rows that change places are copied."
             if not self.is_initialized: return
-            n = self.keys.shape[-2]
-            self._k, self._v = self._k[indices], self._v[indices]
+            n, m = self.keys.shape[-2], len(indices)
+            moved = (indices != torch.arange(m, device=indices.device)).nonzero().squeeze(-1)
+            if len(moved):
+                self._k[moved, :, :n], self._v[moved, :, :n] = self._k[indices[moved], :, :n], self._v[indices[moved], :, :n]
+            self._k, self._v = self._k[:m], self._v[:m]
             self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
 
 def reserve_cache(cache, extra: int):
@@ -150,7 +153,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, max_prompt_length: int = 512,
                  share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
                  drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
-                 compact_at: float = 0.25):    # drop finished rows once they are this fraction of the batch (0: at every EOS)
+                 compact_at: float = 0.0):     # drop finished rows once they are this fraction of the batch (0: at each EOS)
         self.model, self.tokenizer, self.max_prompt_length, self.share_prompt = model, tokenizer, max_prompt_length, share_prompt
         self.drop_finished, self.compact_at = drop_finished, compact_at
         self.eos_ids = stop_token_ids(model, tokenizer)
@@ -211,7 +214,9 @@ class HFBackend:
             n_alive = int(alive.sum())
             if n_alive == 0: return out[:, :t + 1]
             if n_alive < len(rows) and len(rows) - n_alive >= self.compact_at * len(rows):
-                keep = alive.nonzero().squeeze(-1)                          # drop the finished rows, KV cache included
+                # drop the finished rows, KV cache included: the last live rows move into their places, the rest stay put
+                keep = torch.arange(n_alive, device=device)
+                keep[~alive[:n_alive]] = alive[n_alive:].nonzero().squeeze(-1) + n_alive
                 cache.batch_select_indices(keep)
                 rows, mask, pos, tok, alive = rows[keep], mask[keep], pos[keep], tok[keep], alive[keep]
             ids, pos = tok[:, None], pos + 1

@@ -713,7 +713,8 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, ck, stop
     else:
         eval_tasks, eval_skipped = load_tasks(src, "test", limit=c.eval_size, **load_kw) if c.eval_size else ([], 0)
     if model is None: model, tokenizer = load_policy(c)
-    precision = choose_dtype(next(model.parameters()).device, c.dtype, c.autocast_bf16, frozen_base=c.lora)   # "auto" resolved
+    device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)       # "auto" resolved, as load_policy did
     if rank == 0: print(f"precision: {precision.describe()}")
     # prompts too long for max_prompt_length: found now (with the tokenizer), not when a step draws one
     train_tasks, n = fit_prompts(tokenizer, c, train_tasks, c.task); skipped += n

@@ -202,10 +202,17 @@ def test_gold_answers_are_strings_or_numbers(tmp_path):
     p = jsonl(tmp_path / "t.jsonl", [{"question": "a?", "answer": 6}, {"question": "b?", "answer": 0.5},
                                      {"question": "c?", "answer": True}, {"question": "d?", "answer": [1, 2]},
                                      {"question": "e?", "answer": {"x": 1}}])
-    with pytest.raises(DataError, match=r"t.jsonl row 3: gold answer True is a bool: write it as a string or a number"):
+    with pytest.raises(DataError, match=r"t.jsonl row 3: gold answer True is a bool, not a string or a number; fix the row"):
         load_tasks(p)
     records, skipped = load_tasks(p, skip_bad_rows=True, return_skipped=True)
     assert [r["answer"] for r in records] == ["6", "0.5"] and skipped == 3
+    (tmp_path / "inf.jsonl").write_text('{"question": "a?", "answer": 1e400}\n')                  # JSON reads it as inf
+    with pytest.raises(DataError, match=r"inf.jsonl row 1: gold answer inf is not a finite number"):
+        load_tasks(str(tmp_path / "inf.jsonl"))
+    for ext in ("jsonl", "json"):           # Python will not read an integer of more than 4300 digits: a row error, not a crash
+        (tmp_path / f"long.{ext}").write_text('[{"question": "b?", "answer": ' + "7" * 5000 + "}]")
+        with pytest.raises(DataError, match=r"long.json.*invalid JSON \(Exceeds the limit \(4300 digits\)"):
+            load_tasks(str(tmp_path / f"long.{ext}"))
 
 
 def test_slow_and_huge_gold_answers_are_cut_off(tmp_path):

@@ -116,7 +116,9 @@ def test_reserved_cache_keeps_selected_rows(tiny_model):
     ids = torch.randint(10, 1000, (4, 6))
     cache = reserve_cache(output_cache(tiny_model(input_ids=ids, use_cache=True)), 3)
     k = cache.layers[0].keys.clone()
-    cache.batch_select_indices(torch.tensor([0, 2]))
-    assert torch.equal(cache.layers[0].keys, k[[0, 2]]) and cache.layers[0]._k.shape[0] == 2
-    out = tiny_model(input_ids=ids[[0, 2], :1], use_cache=True, **{cache_kwarg(tiny_model): cache})   # room left: in place
+    cache.batch_select_indices(torch.tensor([0, 3, 2]))        # row 1 ends: the last row takes its place
+    assert torch.equal(cache.layers[0].keys, k[[0, 3, 2]]) and cache.layers[0]._k.shape[0] == 3
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(cache.layers[0].keys, k[[2, 0]])
+    out = tiny_model(input_ids=ids[[2, 0], :1], use_cache=True, **{cache_kwarg(tiny_model): cache})   # room left: in place
     assert output_cache(out).layers[0].keys.shape[-2] == 7

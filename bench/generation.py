@@ -1,0 +1,130 @@
+"""Generation speed: transformers' `generate` loop (every row decodes until the longest is done) against our decode loop
+(finished rows leave the batch), side by side in one run, with valid tokens/s and the fraction of the compute limit.
+
+The bench config (`BENCH_CONFIG`): SmolLM2-135M-Instruct with the LoRA adapter the trainer uses (r=16 on all seven
+projections, unmerged), the 8 arithmetic prompts of training step 0, G=8 completions each (64 rows), up to 48 new tokens,
+temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shared prompt prefill and reserved KV cache on):
+- `generate`: `drop_finished=False`, transformers' `generate` loop, what the trainer used before;
+- `decode`: our loop, a row leaves the batch (with its KV-cache rows) at its end-of-sequence token (the default, `compact_at=0`);
+- `decode/quarter`: our loop, finished rows dropped only once they are >= 25% of the batch (`compact_at=0.25`);
+- `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping.
+Every arm draws the same random numbers for the same rows, so all of them produce the same completions (checked and recorded:
+`same_completions`); the timing differences are the loops alone. Rounds are interleaved (order reversed every other round),
+one unrecorded warm-up round first; `forward_rows` counts the rows of every decode forward pass (prefill excluded).
+
+Compute limit: the FLOPs of the valid completion tokens (up to and including EOS) at 2 FLOPs per multiply-add of the
+decoder's linear weights (LoRA included) and the output head, per token (~0.27 GFLOP for SmolLM2-135M; attention scores and
+the embedding lookup are not counted), divided by this machine's fp32 matmul peak, measured in the same run with
+`compute_efficiency.matmul_bench` (best of a square 2048^3 and the model's large-batch shapes; the decode shapes at 64 and 8
+rows are printed beside it to show how far small matrices are from the peak). fraction = limit time / measured time.
+
+    python bench/generation.py                  # full: 3 timed rounds x 4 arms, about 4 min on an idle 2-core machine
+    python bench/generation.py --quick          # tiny random model, seconds
+"""
+import argparse, sys, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+
+ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
+        "decode/keep": dict(compact_at=1.0)}
+
+
+def token_flops(pc: dict) -> int:
+    "FLOPs of one generated token: 2 x (decoder linear weights, LoRA included, + output head)."
+    return 2 * (pc["base_linear"] + pc["lora"] + pc["head"])
+
+
+def main(argv=None):
+    ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per arm (default 3; --quick 2)")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="which arms to run")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. max_completion_length=32")
+    args = ap.parse_args(argv)
+    bl.set_threads(args.threads)
+    meta = bl.start_meta()
+    import torch
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.config import load_config
+    from mmrgrpo.data import task_source, tasks_for_step
+    from mmrgrpo.models import load_policy
+    from mmrgrpo.sampling import HFBackend
+    from compute_efficiency import matmul_bench, param_counts
+    repeats = args.repeats or (2 if args.quick else 3)
+    c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
+                                               output_dir="runs/bench_generation", threads=args.threads))
+    model, tok = load_policy(c)
+    records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
+    prompts = [tr.build_prompt(tok, c, r["question"], c.task) for r in records]
+    seed = tr.step_seed(c.seed, 0)
+    pc = param_counts(model)
+    per_token = token_flops(pc)
+
+    # ---- the fp32 matmul peak, measured here and now (the same load as the arms)
+    sq, d, f, V = (256, 64, 128, pc["vocab"]) if args.quick else (2048, 576, 1536, pc["vocab"])
+    big = 256 if args.quick else 4096
+    shapes = {f"square {sq}^3": (sq, sq, sq), f"{big}x{d} @ {d}x{f}": (big, d, f), f"{big}x{f} @ {f}x{d}": (big, f, d)}
+    small = {f"{m}x{d} @ {d}x{f} (decode, {m} rows)": (m, d, f) for m in (64, 8)}
+    small[f"64x{d} @ {d}x{V} (head, 64 rows)"] = (64, d, V)
+    mm = matmul_bench({**shapes, **small}, 3 if not args.quick else 1)
+    peak = max(mm[k]["fp32"]["median"] for k in shapes)
+    print(f"fp32 matmul GFLOP/s here (threads={torch.get_num_threads()}, CPU {bl.cpu_model()}, flags {bl.cpu_flags()}):")
+    print(bl.table([{"shape": k, "fp32_GFLOPs": v["fp32"]["median"]} for k, v in mm.items()], ["shape", "fp32_GFLOPs"],
+                   {"fp32_GFLOPs": ".1f"}))
+    print(f"peak: {peak:.1f} GFLOP/s; one generated token = {per_token / 1e9:.3f} GFLOP")
+
+    # ---- the arms, interleaved
+    rows_seen = []
+    # on the embedding: transformers' `generate` on a peft model calls the base model, past the peft wrapper
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda m, a: rows_seen.append(a[0].shape[0]) if a[0].shape[1] == 1 else None)
+    raw, outputs = {a: [] for a in args.arms}, {}
+    for rnd, arm in bl.interleaved(args.arms, repeats + 1):
+        backend = HFBackend(model, tok, c.max_prompt_length, c.share_prompt, **ARMS[arm])
+        rows_seen.clear()
+        t0 = time.perf_counter()
+        ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
+        dt = time.perf_counter() - t0
+        valid = int(ro.completion_mask.sum())
+        outputs.setdefault(arm, ro.completion_ids)
+        rec = {"seconds": dt, "valid_tokens": valid, "rows": ro.completion_ids.shape[0], "width": ro.completion_ids.shape[1],
+               "forward_rows": sum(rows_seen), "decode_steps": len(rows_seen)}
+        print(f"  {'warm-up' if rnd == 0 else f'round {rnd}'}  {arm:13s} {dt:7.2f} s  {valid} valid tokens, "
+              f"{rec['forward_rows']} decode rows in {rec['decode_steps']} steps", flush=True)
+        if rnd > 0: raw[arm].append(rec)
+    hook.remove()
+    ref = outputs[args.arms[0]]
+    same = {a: bool(torch.equal(o, ref)) for a, o in outputs.items()}
+
+    base = "generate" if "generate" in raw else args.arms[0]
+    rows = []
+    for arm, xs in raw.items():
+        t = bl.median([x["seconds"] for x in xs])
+        valid = xs[0]["valid_tokens"]
+        limit_s = valid * per_token / (peak * 1e9)
+        rows.append({"arm": arm, "seconds": t, "valid_tok_per_s": valid / t, "forward_rows": xs[0]["forward_rows"],
+                     "speedup": bl.median([a["seconds"] for a in raw[base]]) / t,
+                     "paired_speedup": bl.median([a["seconds"] / b["seconds"] for a, b in zip(raw[base], xs)]),
+                     "achieved_GFLOPs": valid * per_token / t / 1e9, "frac_of_limit": limit_s / t, "limit_s": limit_s,
+                     "same_completions": same[arm]})
+    print(f"\n{c.prompts_per_step} prompts x {c.num_generations} completions, up to {c.max_completion_length} tokens, "
+          f"temperature {c.temperature}: {raw[base][0]['valid_tokens']} valid tokens; medians of {repeats} rounds; "
+          f"compute limit {rows[0]['limit_s']:.2f} s at {peak:.0f} GFLOP/s")
+    print(bl.table(rows, ["arm", "seconds", "valid_tok_per_s", "forward_rows", "speedup", "paired_speedup", "achieved_GFLOPs",
+                          "frac_of_limit", "same_completions"],
+                   {"seconds": ".2f", "valid_tok_per_s": ".0f", "speedup": ".2f", "paired_speedup": ".2f",
+                    "achieved_GFLOPs": ".1f", "frac_of_limit": ".1%"}))
+    from dataclasses import asdict
+    out = {"name": "generation", "quick": args.quick, "config": asdict(c), "repeats": repeats, "arms": {a: ARMS[a] for a in raw},
+           "summary": rows, "raw": raw, "same_completions": same, "token_gflop": per_token / 1e9, "model": pc,
+           "matmul": {"shapes": {k: list(v) for k, v in {**shapes, **small}.items()}, "gflops": mm, "peak_fp32_gflops": peak},
+           "meta": bl.finish_meta(meta),
+           "notes": "speedup = median seconds of the base arm / median seconds of the arm; paired_speedup = median over rounds "
+                    "of the per-round ratio; frac_of_limit = (valid tokens x token FLOPs / fp32 peak) / seconds"}
+    p = bl.write_json(Path(args.out) if args.out else bl.result_path("generation", args.quick), out)
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -60,7 +60,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr); return 2
     except KeyboardInterrupt as e: return interrupted(e)
     if args.command == "train":
-        from mmrgrpo.trainer import train, plot_rewards, dist_info
+        from mmrgrpo.trainer import train, plot_rewards
+        from mmrgrpo.distributed import dist_info
         try: res = train(c)
         except ConfigError as e:      # e.g. a batch the launched number of processes cannot split
             print(f"error: {e}", file=sys.stderr); return 2
@@ -88,7 +89,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     tasks = load_tasks(src, "test", limit=c.eval_size, skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir)
     model, tok = load_policy(c)
     if checkpoint:
-        from mmrgrpo.trainer import load_checkpoint
+        from mmrgrpo.checkpoints import load_checkpoint
         import torch
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)])
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))

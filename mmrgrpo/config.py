@@ -241,7 +241,7 @@ def _check_ranges(c: GRPOConfig, need):
          f"reward_weights={c.reward_weights}: each weight must be a finite number")
     need(c.output_dir.strip() != "", f"output_dir={c.output_dir!r}: empty means the current folder, where the run would write and "
          "prune checkpoint-* folders: name a folder, e.g. runs/latest (or '.' if you mean the current folder)")
-    from mmrgrpo.data import DEFAULT_SHOTS, task_family
+    from mmrgrpo.prompts import DEFAULT_SHOTS, task_family
     for t in dict.fromkeys(filter(None, (c.task, c.eval_task))):
         n = len(DEFAULT_SHOTS[task_family(t)])
         need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for {task_family(t)} "

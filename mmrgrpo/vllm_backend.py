@@ -188,7 +188,7 @@ class VLLMBackend:
         except ImportError as e:
             raise ImportError("generation_backend='vllm' needs vLLM on a CUDA machine: pip install 'mmrgrpo[vllm]', "
                               "or use generation_backend='hf'") from e
-        from mmrgrpo.trainer import dist_info
+        from mmrgrpo.distributed import dist_info
         self.model, self.tokenizer, self.c = model, tokenizer, config
         self.max_prompt_length, self.eos_ids = config.max_prompt_length, stop_token_ids(model, tokenizer)
         self.lora = hasattr(model, "peft_config")

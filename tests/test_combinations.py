@@ -6,8 +6,8 @@ from mmrgrpo.logprobs import completion_stats
 from mmrgrpo.mmr import embed_completions, load_embedder, mmr_reweight_groups, dra_reweight
 from mmrgrpo.models import tiny_random_model
 from mmrgrpo.sampling import Rollout
-from mmrgrpo import trainer
-from mmrgrpo.trainer import advantages_for, prune, update, choose_tokens
+from mmrgrpo import step as trainer     # the step's functions, patched where the update looks them up
+from mmrgrpo.step import advantages_for, prune, update, choose_tokens
 
 VOCAB = 200
 

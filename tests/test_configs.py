@@ -33,7 +33,7 @@ def test_accelerate_config_reads(name, kind):
 
 @pytest.mark.parametrize("var", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 def test_sharded_launch_is_refused_not_silently_unsharded(monkeypatch, var):
-    from mmrgrpo.trainer import init_distributed
+    from mmrgrpo.distributed import init_distributed
     monkeypatch.setenv(var, "true")
     with pytest.raises(ConfigError, match=f"{var}=true.*configs/accelerate/ddp.yaml"):
         init_distributed()

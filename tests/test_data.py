@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from mmrgrpo.data import (ArithmeticStream, DataError, DEFAULT_INSTRUCTION, EVAL_SEED, TRAIN_SEED, arithmetic_task,
-                          arithmetic_tasks, check_prompt_lengths, default_shots, format_prompt, holds_out_rows, load_tasks,
-                          split_held_out, task_source, tasks_for_step)
+from mmrgrpo.data import (ArithmeticStream, DataError, EVAL_SEED, TRAIN_SEED, arithmetic_task, arithmetic_tasks,
+                          holds_out_rows, load_tasks, split_held_out, task_source, tasks_for_step)
+from mmrgrpo.prompts import DEFAULT_INSTRUCTION, check_prompt_lengths, default_shots, format_prompt
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def case_config(name):
 
 def run_update(batch, name, rows):
     "The gradient and metrics of one `update` on `rows` of the batch (summed over processes when there are several)."
-    from mmrgrpo.trainer import update
+    from mmrgrpo.step import update
     model, ref = small_llama(0), small_llama(1).requires_grad_(False)
     model.load_state_dict(batch["policy"]); ref.load_state_dict(batch["ref"])
     opt = GradCapture(model.parameters())
@@ -81,7 +81,7 @@ def tiny_run_args(out, **kw):
 def worker(out: Path):
     "Body of each torchrun process."
     from mmrgrpo.cli import main
-    from mmrgrpo.trainer import init_distributed, reduce_metrics
+    from mmrgrpo.distributed import init_distributed, reduce_metrics
     rank, world = init_distributed()
     batch = torch.load(out / "batch.pt", weights_only=False)
     n = B * G // world
@@ -153,7 +153,7 @@ def test_rank0_logs_and_checkpoints_and_resume_needs_same_world_size(two_process
 def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
     "On GPUs the group has gloo for CPU tensors (numbers, metrics) and nccl for CUDA ones: nccl alone cannot reduce CPU tensors."
     import torch.distributed as dist
-    from mmrgrpo.trainer import init_distributed
+    from mmrgrpo.distributed import init_distributed
     asked, devices = [], []
     monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -169,24 +169,24 @@ def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
     ("nccl", 3.0, "cuda:0"), ("nccl", torch.ones(2), "cuda:0"),    # a group someone else made with nccl alone: reduce on the GPU
 ])
 def test_reduce_device_per_backend(monkeypatch, backend, x, device):
-    from mmrgrpo.trainer import reduce_device
+    from mmrgrpo.distributed import reduce_device
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert reduce_device(backend, x) == torch.device(device)
 
 
 def test_all_reduce_sum_hands_the_group_tensors_on_devices_it_serves(monkeypatch):
     import torch.distributed as dist
-    from mmrgrpo import trainer
+    from mmrgrpo import distributed
     seen = []
     def all_reduce(t):
-        if t.device.type not in trainer._served(dist.get_backend()):      # what NCCL says to a CPU tensor
+        if t.device.type not in distributed._served(dist.get_backend()):      # what NCCL says to a CPU tensor
             raise RuntimeError(f"No backend type associated with device type {t.device.type}")
         seen.append((t.device.type, t.dtype)); t.mul_(2)                 # two processes holding the same value
-    monkeypatch.setattr(trainer, "dist_info", lambda: (0, 2))
+    monkeypatch.setattr(distributed, "dist_info", lambda: (0, 2))
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     g = torch.tensor([0.25, 1.5])
-    assert trainer.all_reduce_sum(3) == 6.0 and torch.equal(trainer.all_reduce_sum(g), torch.tensor([0.5, 3.0], dtype=torch.float64))
+    assert distributed.all_reduce_sum(3) == 6.0 and torch.equal(distributed.all_reduce_sum(g), torch.tensor([0.5, 3.0], dtype=torch.float64))
     assert torch.equal(g, torch.tensor([0.25, 1.5])) and seen == [("cpu", torch.float64)] * 2     # the input is not changed
 
 

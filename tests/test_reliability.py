@@ -14,7 +14,7 @@ from mmrgrpo.config import ConfigError, GRPOConfig, load_config
 from mmrgrpo.data import DataError
 from mmrgrpo.rewards import RewardFunctionError
 from mmrgrpo.sampling import HFBackend
-from mmrgrpo.trainer import latest_checkpoint, load_checkpoint, read_metrics, train
+from mmrgrpo.trainer import latest_checkpoint, load_checkpoint, read_metrics, train  # the trainer's own imports
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
@@ -69,15 +69,15 @@ STEPS = 8
 CHILD = """
 import json, os, signal, sys
 from pathlib import Path
-import mmrgrpo.trainer as T
+import mmrgrpo.trainer as T, mmrgrpo.checkpoints as K
 from mmrgrpo.config import load_config
 kill_in = os.environ.get("KILL_IN_CHECKPOINT")
 if kill_in:
-    real = T.save_config
+    real = K.save_config
     def save_config(c, path):
         real(c, path)
         if Path(path).parent.name.startswith(f".tmp-checkpoint-{kill_in}-"): os.kill(os.getpid(), signal.SIGKILL)
-    T.save_config = save_config
+    K.save_config = save_config
 T.train(load_config(**json.loads(sys.argv[1])), progress=False)
 """
 
@@ -413,7 +413,8 @@ def test_bad_reward_functions_score_zero_and_are_counted(tmp_path):
 def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monkeypatch):
     faults = {2: "nan loss", 5: "inf gradient", 6: "nan loss"}     # steps (1-based); 5 and 6 are two in a row
     state, snaps = {"step": 0}, {}
-    real_agg, real_update = T.aggregate_loss, T.update
+    import mmrgrpo.step as S
+    real_agg, real_update = S.aggregate_loss, T.update
     def agg(*a, **k):
         loss = real_agg(*a, **k)
         fault = faults.get(state["step"])
@@ -429,7 +430,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monkey
         m = real_update(model, optimizer, *a, **k)
         snaps[state["step"]] = (before, (trainable(model), opt_state()))
         return m
-    monkeypatch.setattr(T, "aggregate_loss", agg)
+    monkeypatch.setattr(S, "aggregate_loss", agg)
     monkeypatch.setattr(T, "update", update)
     c = cfg(tmp_path, steps=STEPS, max_nonfinite_steps=2)
     with pytest.raises(FloatingPointError) as e: train(c, progress=False)

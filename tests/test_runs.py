@@ -11,8 +11,10 @@ import mmrgrpo.trainer as T
 from mmrgrpo.cli import main
 from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.sampling import HFBackend
-from mmrgrpo.trainer import (CheckpointError, MetricsLogger, TrainingInterrupted, checkpoint_problem, latest_checkpoint,
-                             load_checkpoint, plot_rewards, read_metrics, train)
+import mmrgrpo.checkpoints as K
+from mmrgrpo.checkpoints import CheckpointError, TrainingInterrupted, checkpoint_problem, latest_checkpoint, load_checkpoint
+from mmrgrpo.runlog import MetricsLogger, read_metrics
+from mmrgrpo.trainer import plot_rewards, train
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
@@ -98,7 +100,7 @@ def test_a_checkpoint_cannot_run_code(run, tmp_path):
     assert set(t) == {"optimizer", "scheduler", "rng"}
     t["note"] = Payload(marker)
     torch.save(t, ck / "training.pt")
-    T.write_manifest(ck)                                         # as a forger would: the checksums match
+    K.write_manifest(ck)                                         # as a forger would: the checksums match
     c = cfg(run, steps=4)
     with pytest.raises(CheckpointError, match="holds objects other than tensors and plain data, which are not loaded"):
         load_checkpoint(ck, *fresh_policy(c))
@@ -153,9 +155,9 @@ def test_a_second_run_in_the_same_folder_is_refused(tmp_path):
         assert f"output_dir={str(out)!r} is in use by another run (process {first.pid} on " in str(e.value)
     finally:
         first.kill(); first.wait(timeout=60)
-    assert (out / T.LOCK).exists()              # killed: its lock file is left behind, and it no longer holds anything
-    with T.output_dir_lock(out): assert (out / T.LOCK).read_text().startswith(f"process {os.getpid()} on ")
-    assert not (out / T.LOCK).exists()
+    assert (out / K.LOCK).exists()              # killed: its lock file is left behind, and it no longer holds anything
+    with K.output_dir_lock(out): assert (out / K.LOCK).read_text().startswith(f"process {os.getpid()} on ")
+    assert not (out / K.LOCK).exists()
 
 
 # --- 6: a resume compares configs: changes that alter the run are refused, schedule and logging changes are allowed and logged
@@ -278,7 +280,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
                                                  "(resume_from=latest continues from it)"), p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "SIGTERM: finishing this step" in p.stderr
     assert names(out) == ["checkpoint-2"] and checkpoint_problem(out / "checkpoint-2") is None and steps_logged(out) == [1, 2]
-    assert not (out / T.LOCK).exists()
+    assert not (out / K.LOCK).exists()
 
 
 def test_ctrl_c_saves_and_the_cli_says_so_in_one_line(tmp_path, monkeypatch, capsys):
@@ -340,7 +342,7 @@ def test_nonfinite_metrics_are_written_as_null(tmp_path):
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from mmrgrpo.trainer import MetricsLogger
+from mmrgrpo.runlog import MetricsLogger
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit then fails with EFBIG instead of killing us
 path = Path(sys.argv[1]) / "metrics.jsonl"
 resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size // 2, resource.RLIM_INFINITY))   # room for half the file

@@ -3,7 +3,8 @@ import json, math, sys
 from pathlib import Path
 import pytest, torch
 from mmrgrpo.config import load_config
-from mmrgrpo.trainer import train, read_metrics, update, latest_checkpoint
+from mmrgrpo.trainer import train, read_metrics, latest_checkpoint
+from mmrgrpo.step import update
 from mmrgrpo.sampling import Rollout
 
 TRL_NAMES = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "kl", "clip_ratio", "entropy",
@@ -89,7 +90,7 @@ class _Counting(torch.nn.Module):
 
 @pytest.mark.parametrize("prune_rate,kept", [(0.0, 8), (0.5, 4), (0.75, 2)])
 def test_pruned_completions_never_reach_the_model(tmp_path, tiny_model, prune_rate, kept):
-    from mmrgrpo.trainer import prune, Phases
+    from mmrgrpo.step import prune, Phases
     from mmrgrpo.models import add_lora
     c = _tiny(tmp_path, prune_rate=prune_rate, share_prompt=False)
     m = add_lora(tiny_model, c)

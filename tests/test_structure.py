@@ -1,0 +1,75 @@
+"The package's shape: no import circles, algorithm modules that import no machinery, modules a reader can hold in mind."
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "mmrgrpo"
+ALGORITHMS = {"advantages", "mmr", "pruning", "tokens", "loss"}          # pure functions over tensors
+MACHINERY = {"sampling", "config", "trainer", "step", "cli", "data", "vllm_backend", "checkpoints", "runlog", "distributed",
+             "logprobs", "kvcache"}     # (mmr's embedder loader may use the model loaders' remote-code guard)
+MAX_CODE_LINES = 300
+GENERATED = {"_modidx"}
+
+
+def imports_of(path: Path) -> set:
+    "The package modules a module imports, at any depth (a lazy import inside a function counts: it is still a dependency)."
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1: name = mod.split(".")[0] if mod else None
+            elif mod.startswith("mmrgrpo."): name = mod.split(".")[1]
+            elif mod == "mmrgrpo": name = None
+            else: continue
+            if name: found.add(name)
+            else: found |= {a.name for a in node.names if (PKG / f"{a.name}.py").exists()}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mmrgrpo.")}
+    return found - {path.stem}
+
+
+def graph() -> dict:
+    return {p.stem: imports_of(p) for p in PKG.glob("*.py") if p.stem not in GENERATED and p.stem != "__init__"}
+
+
+def test_no_import_circles():
+    g = graph()
+    state = {}
+    def visit(m, trail):
+        if state.get(m) == "done": return
+        assert state.get(m) != "open", "import circle: " + " -> ".join(trail + [m])
+        state[m] = "open"
+        for d in sorted(g.get(m, ())): visit(d, trail + [m])
+        state[m] = "done"
+    for m in sorted(g): visit(m, [])
+
+
+def test_the_walk_finds_a_circle():
+    "The check above can fail: a circle made up in a scratch package is found."
+    import pytest
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    state = {}
+    def visit(m, trail):
+        if state.get(m) == "done": return
+        assert state.get(m) != "open", "circle"
+        state[m] = "open"
+        for d in sorted(g[m]): visit(d, trail + [m])
+        state[m] = "done"
+    with pytest.raises(AssertionError, match="circle"): visit("a", [])
+
+
+def test_algorithm_modules_import_no_machinery():
+    g = graph()
+    for m in ALGORITHMS:
+        assert not g[m] & MACHINERY, f"{m}.py imports {sorted(g[m] & MACHINERY)}: algorithm modules stay pure"
+
+
+def code_lines(path: Path) -> int:
+    return sum(1 for l in path.read_text().splitlines() if l.strip() and not l.strip().startswith("#"))
+
+
+def test_no_module_over_300_lines_of_code_without_a_note():
+    for p in sorted(PKG.glob("*.py")):
+        if p.stem in GENERATED: continue
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        assert code_lines(p) <= MAX_CODE_LINES or "longer than 300 lines because" in doc, \
+            f"{p.name} has {code_lines(p)} lines of code: split it, or say at its top why not"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import yaml
 from .config import GRPOConfig, ConfigError, save_config
-from .distributed import all_reduce_sum
+from .distributed import all_reduce_sum, dist_info, is_sharded, full_state_dicts, load_full_state_dicts
 
 # %% ../nbs/11c_checkpoints.ipynb #8e00d2f7
 def _fsync_tree(d: Path):
@@ -81,14 +81,17 @@ def checkpoint_problem(d) -> str:
     return None
 
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOConfig, state: dict, keep: int = 2) -> Path:
-    "Write checkpoint-<step> with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep`. Returns its path."
+    "Write checkpoint-<step> with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep`. Returns its path. A sharded (FSDP2) model: every process calls it, the weights and optimizer state are gathered whole and rank 0 writes them."
+    gathered = full_state_dicts(model, optimizer) if is_sharded(model) else None      # a collective
+    if gathered is not None and dist_info()[0] != 0: return None
+    weights, optim = gathered or ({}, optimizer.state_dict())
     out = Path(out); final = out / f"checkpoint-{step}"
     tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "training.pt")
+        model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"), **({"state_dict": weights} if gathered else {}))
+        torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "training.pt")
         save_config(c, tmp / "config.yaml")
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))    # a resumed run's state holds the old step
         write_manifest(tmp)
@@ -124,12 +127,20 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
         if (path / "adapter").exists():
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
-            set_peft_model_state_dict(model, load_file(path / "adapter" / "adapter_model.safetensors"))
+            weights = load_file(path / "adapter" / "adapter_model.safetensors")
+            if not is_sharded(model): set_peft_model_state_dict(model, weights)
+            else:                  # peft saves parameter names without the adapter's: put it back
+                name = f".{model.active_adapter}"
+                weights = {n: weights[n.replace(name, "")] for n, q in model.named_parameters()
+                           if q.requires_grad and n.replace(name, "") in weights}
         else:
             from transformers import AutoModelForCausalLM
-            model.load_state_dict(AutoModelForCausalLM.from_pretrained(path / "model", use_safetensors=True).state_dict())
+            weights = AutoModelForCausalLM.from_pretrained(path / "model", use_safetensors=True).state_dict()
+            if not is_sharded(model): model.load_state_dict(weights)
         t = torch.load(path / "training.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(t["optimizer"]); scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
+        if is_sharded(model): load_full_state_dicts(model, optimizer, weights, t["optimizer"])   # a collective
+        else: optimizer.load_state_dict(t["optimizer"])
+        scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
         return json.loads((path / "trainer_state.json").read_text())
     except pickle.UnpicklingError:
         raise CheckpointError(f"{path / 'training.pt'} holds objects other than tensors and plain data, which are not loaded "

@@ -46,6 +46,7 @@ class GRPOConfig:
                                    "module names that get LoRA adapters (or ['all-linear'])")
     load_in_4bit: bool = _f(False, "QLoRA: load the base weights in 4-bit NF4 with bitsandbytes (needs lora)")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
+    sharding: Literal["none", "fsdp2"] = _f("none", "several processes: 'none' (each holds the whole model; gradients summed) or 'fsdp2' (torch's fully_shard per decoder layer and root: weights, gradients and optimizer state split over the processes); an accelerate FSDP launch (ACCELERATE_USE_FSDP=true) means 'fsdp2'; one process: no effect")
     # --- data
     task: str = _f("arithmetic:1", "training tasks: 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset")
     eval_task: Optional[str] = _f(None, "held-out tasks (default: the test split of `task`; arithmetic uses a disjoint seed)")

@@ -6,7 +6,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['SHARDING_ENV', 'GLOBAL_METRICS', 'dist_info', 'process_group_backend', 'reduce_device', 'all_reduce_sum',
-           'init_distributed', 'reduce_metrics']
+           'init_distributed', 'uses_fsdp', 'is_sharded', 'shard_model', 'shard_policy', 'full_value', 'full_state_dicts',
+           'load_full_state_dicts', 'reduce_metrics']
 
 # %% ../nbs/11b_distributed.ipynb #57d8564d
 import os
@@ -49,20 +50,69 @@ def all_reduce_sum(x):
         t = t.to(home)
     return t if isinstance(x, torch.Tensor) else t.item()
 
-SHARDING_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED",)         # launches the trainer refuses (FSDP is served by `shard_policy`)
+
+def _env_flag(name: str) -> bool: return os.environ.get(name, "").lower() in ("1", "true")
 
 def init_distributed():
     "Join the process group `torchrun` or `accelerate launch` describe in the environment (`process_group_backend`); no-op otherwise."
     import torch.distributed as dist
-    sharded = [k for k in SHARDING_ENV if os.environ.get(k, "").lower() in ("1", "true")]
-    if sharded:
-        raise ConfigError(f"{sharded[0]}=true (an accelerate FSDP/DeepSpeed config): this trainer is data-parallel only (every "
-                          "process holds the whole model; gradients are summed across processes), and FSDP/ZeRO sharding is not "
-                          "implemented. Launch with configs/accelerate/ddp.yaml or torchrun --nproc_per_node=N")
+    if sharded := [k for k in SHARDING_ENV if _env_flag(k)]:
+        raise ConfigError(f"{sharded[0]}=true (an accelerate DeepSpeed config): DeepSpeed ZeRO is not supported (its engine would "
+                          "have to own the backward pass and the optimizer step). Launch with configs/accelerate/ddp.yaml, "
+                          "configs/accelerate/fsdp2.yaml (sharded) or torchrun --nproc_per_node=N")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(process_group_backend(torch.cuda.is_available()))
     return dist_info()
+
+def uses_fsdp(c) -> bool:
+    "Whether a run shards its policy with FSDP2: `sharding='fsdp2'` or an accelerate FSDP launch (ACCELERATE_USE_FSDP=true), on more than one process."
+    return (c.sharding == "fsdp2" or _env_flag("ACCELERATE_USE_FSDP")) and dist_info()[1] > 1
+
+def is_sharded(model) -> bool:
+    "True for a model `shard_model` sharded (an FSDP2 module)."
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+def shard_model(model):
+    "FSDP2 in place: `fully_shard` each decoder layer, then the root (embeddings, final norm, output layer). Gradients are summed over processes, not averaged (the loss normalisers are whole-batch counts), and `get_decoder` and `generate` count as forwards of the root, so the root's weights are gathered when `completion_stats` or sampling reach past `forward`."
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    for layer in model.get_decoder().layers: fully_shard(layer)
+    fully_shard(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule): m.set_gradient_divide_factor(1.0); m.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+    for method in ("get_decoder", "generate"): register_fsdp_forward_method(model, method)
+    return model
+
+def shard_policy(model, c):
+    "`shard_model(model)` when `uses_fsdp(c)`, refusing what sharding does not support; else `model` as it is."
+    if not uses_fsdp(c): return model
+    why = ("generation_backend='vllm' (vLLM needs the whole weights at every sync)" if c.generation_backend == "vllm" else
+           "load_in_4bit=true (FSDP2 cannot shard bitsandbytes 4-bit weights)" if c.load_in_4bit else
+           "gradient_checkpointing=true (not tested with FSDP2 here)" if c.gradient_checkpointing else None)
+    if why: raise ConfigError(f"sharding='fsdp2' (or an accelerate FSDP launch) with {why}: turn that off, or launch "
+                              "data-parallel (configs/accelerate/ddp.yaml, or sharding='none')")
+    return shard_model(model)
+
+def full_value(t):
+    "A DTensor's whole value as a plain tensor (`clip_grad_norm_` over sharded gradients returns one); anything else as it is."
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def full_state_dicts(model, optimizer) -> tuple:
+    "(model, optimizer) state dicts of a sharded model, whole, on rank 0's CPU (other ranks get empty dicts); frozen weights left out. A collective: every process calls it."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(model, options=o), get_optimizer_state_dict(model, optimizer, options=o)
+
+def load_full_state_dicts(model, optimizer, weights: dict, optim: dict):
+    "Shard whole (model, optimizer) state dicts, as `full_state_dicts` returned them, into a sharded model and its optimizer; every process passes them."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
+    if missing: raise KeyError(f"the saved weights lack {len(missing)} trained parameter(s), e.g. {missing[0]}")
+    o = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=o)
+    set_optimizer_state_dict(model, optimizer, optim, options=o)
 
 GLOBAL_METRICS = ("loss", "kl", "clip_ratio", "entropy", "grad_norm", "nonfinite_updates", "tokens/kept_fraction", "learning_rate")
 

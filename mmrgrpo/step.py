@@ -21,7 +21,7 @@ from .loss import per_token_loss, loss_weights, aggregate_loss
 from .mmr import mmr_reweight_groups, dra_reweight, share_duplicates, zero_std_groups_revived, embed_completions
 from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
-from .distributed import dist_info, all_reduce_sum
+from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
 
 # %% ../nbs/10b_step.ipynb #0d6887c6
@@ -179,9 +179,9 @@ def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPO
         with phases("update"):
             if dist_info()[1] > 1:      # every process takes the same step: the summed gradient, and the loss of the whole batch
                 loss_sum = all_reduce_sum(loss_sum)
-                for p in params:
+                for p in ([] if is_sharded(model) else params):     # FSDP2 summed the gradient shards in the backward pass
                     if p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf"))
+            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
             if math.isfinite(loss_sum) and torch.isfinite(grad_norm): optimizer.step()
             else: skipped += 1
             optimizer.zero_grad(set_to_none=True)

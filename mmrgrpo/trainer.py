@@ -24,7 +24,7 @@ from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout
 from .mmr import load_embedder
 from .evaluate import evaluate
-from .distributed import init_distributed, reduce_metrics
+from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded
 from .runlog import Phases, MetricsLogger, read_metrics
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, StopSignals)
@@ -147,7 +147,7 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
                                          f"skipped (step {done}); the last good checkpoint is {latest_checkpoint(out)}. "
                                          "Lower learning_rate or check the reward functions.")
             stopping = stop.requested()
-            if rank == 0 and ((c.save_every and done % c.save_every == 0) or done == c.steps or stopping) and not skipped_update:
+            if (rank == 0 or is_sharded(tools.model)) and ((c.save_every and done % c.save_every == 0) or done == c.steps or stopping) and not skipped_update:
                 save_checkpoint(out, done, tools.model, tools.optimizer, tools.scheduler, c, state)
             if stopping: raise stop.stopped_after(done)
             if stop_after is not None and done >= stop_after: break
@@ -207,6 +207,7 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     embedder = load_embedder(c.embedding_model, trust_remote_code=c.trust_remote_code) if c.reweight != "none" else None
     reward_funcs = [functools.partial(f, reward_timeout=c.reward_timeout) if f is accuracy_reward else f
                     for f in get_reward_funcs(c.reward_funcs)]
+    model = shard_policy(model, c)       # FSDP2 (in place) after the reference copy, before the optimizer takes the shards
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.learning_rate,
                                   weight_decay=c.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (c.warmup_steps + 1)))

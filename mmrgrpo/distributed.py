@@ -71,7 +71,7 @@ def uses_fsdp(c) -> bool:
     return (c.sharding == "fsdp2" or _env_flag("ACCELERATE_USE_FSDP")) and dist_info()[1] > 1
 
 def is_sharded(model) -> bool:
-    "True for a model `shard_model` sharded (an FSDP2 module)."
+    "True for a model `shard_model` sharded (an FSDP2 module). Its `parameters()` are the shards (DTensors) except while its root is gathered (after a gradient-free forward, until the next backward)."
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
@@ -103,7 +103,13 @@ def full_state_dicts(model, optimizer) -> tuple:
     "(model, optimizer) state dicts of a sharded model, whole, on rank 0's CPU (other ranks get empty dicts); frozen weights left out. A collective: every process calls it."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=o), get_optimizer_state_dict(model, optimizer, options=o)
+    weights, optim = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, optimizer, options=o)
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False): names.setdefault(id(p), []).append(n)
+    for same in names.values():       # tied weights (an input embedding that is also the output layer) gathered as one tensor again
+        for n in same[1:]:
+            if same[0] in weights and n in weights: weights[n] = weights[same[0]]
+    return weights, optim
 
 def load_full_state_dicts(model, optimizer, weights: dict, optim: dict):
     "Shard whole (model, optimizer) state dicts, as `full_state_dicts` returned them, into a sharded model and its optimizer; every process passes them."

@@ -181,6 +181,7 @@ def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPO
                 loss_sum = all_reduce_sum(loss_sum)
                 for p in ([] if is_sharded(model) else params):     # FSDP2 summed the gradient shards in the backward pass
                     if p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
+            if is_sharded(model): params = [p for p in model.parameters() if p.requires_grad]    # the shards, after the backward
             grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
             if math.isfinite(loss_sum) and torch.isfinite(grad_norm): optimizer.step()
             else: skipped += 1

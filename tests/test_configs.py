@@ -26,14 +26,30 @@ def test_accelerate_config_reads(name, kind):
     path = CONFIGS / "accelerate" / f"{name}.yaml"
     cfg = ClusterConfig.from_yaml_file(path)
     assert cfg.distributed_type == kind and cfg.num_processes == 2 and cfg.mixed_precision == "no"
-    if kind != "MULTI_GPU": assert "NOT SUPPORTED YET" in path.read_text()      # the file says so before anyone launches it
+    if kind == "DEEPSPEED": assert "NOT SUPPORTED YET" in path.read_text()      # the file says so before anyone launches it
     if name == "fsdp2": assert cfg.fsdp_config["fsdp_version"] == 2
     if kind == "DEEPSPEED": assert cfg.deepspeed_config["zero_stage"] == int(name[-1])
 
 
-@pytest.mark.parametrize("var", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+@pytest.mark.parametrize("var", ["ACCELERATE_USE_DEEPSPEED"])
 def test_sharded_launch_is_refused_not_silently_unsharded(monkeypatch, var):
     from mmrgrpo.distributed import init_distributed
     monkeypatch.setenv(var, "true")
     with pytest.raises(ConfigError, match=f"{var}=true.*configs/accelerate/ddp.yaml"):
         init_distributed()
+
+
+def test_accelerate_fsdp_launch_means_fsdp2(monkeypatch):
+    "An accelerate FSDP launch is served (sharded by `shard_policy`), not refused; sharded only with more than one process."
+    from mmrgrpo import distributed
+    from mmrgrpo.config import load_config
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert distributed.init_distributed() == (0, 1) and not distributed.uses_fsdp(load_config())
+    monkeypatch.setattr(distributed, "dist_info", lambda: (0, 2))
+    assert distributed.uses_fsdp(load_config())
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert not distributed.uses_fsdp(load_config()) and distributed.uses_fsdp(load_config(sharding="fsdp2"))
+    for kw, field in [(dict(generation_backend="vllm"), "vllm"), (dict(load_in_4bit=True), "load_in_4bit"),
+                      (dict(gradient_checkpointing=True), "gradient_checkpointing")]:
+        with pytest.raises(ConfigError, match=f"sharding='fsdp2'.*{field}"):
+            distributed.shard_policy(object(), load_config(sharding="fsdp2", **kw))

@@ -40,3 +40,13 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu"): item.add_marker(skip)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    "Loading a model fails the test: errors and refusals must come before."
+    def loaded(*a, **k): raise AssertionError("a model was loaded before the error")
+    import transformers
+    import mmrgrpo.trainer as T
+    monkeypatch.setattr(T, "load_policy", loaded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)

@@ -144,15 +144,6 @@ def test_same_seed_same_metrics(tmp_path):
 
 # --- 3: bad configuration is a one-line error naming the field and the fix, before any model loads
 
-@pytest.fixture
-def no_model(monkeypatch):
-    "Loading a model fails the test: errors must come before."
-    def loaded(*a, **k): raise AssertionError("a model was loaded before the error")
-    import transformers
-    monkeypatch.setattr(T, "load_policy", loaded)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
-
-
 def write_gguf(path, arch):
     import gguf, numpy as np
     w = gguf.GGUFWriter(str(path), arch)

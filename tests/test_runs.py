@@ -52,15 +52,6 @@ def fresh_policy(c):
     return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    "Loading a model fails the test: refusals must come before."
-    def loaded(*a, **k): raise AssertionError("a model was loaded before the error")
-    import transformers
-    monkeypatch.setattr(T, "load_policy", loaded)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
-
-
 @pytest.fixture(scope="module")
 def run3(tmp_path_factory):
     "A finished 3-step run (checkpoint-2 and checkpoint-3 kept); tests work on copies."

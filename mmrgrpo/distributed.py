@@ -6,8 +6,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['SHARDING_ENV', 'GLOBAL_METRICS', 'dist_info', 'process_group_backend', 'reduce_device', 'all_reduce_sum',
-           'init_distributed', 'uses_fsdp', 'is_sharded', 'shard_model', 'shard_policy', 'full_value', 'full_state_dicts',
-           'load_full_state_dicts', 'reduce_metrics']
+           'init_distributed', 'uses_fsdp', 'is_sharded', 'shard_model', 'shard_policy', 'full_value',
+           'full_state_dicts', 'load_full_state_dicts', 'reduce_metrics']
 
 # %% ../nbs/11b_distributed.ipynb #57d8564d
 import os

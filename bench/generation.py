@@ -18,7 +18,7 @@ the embedding lookup are not counted), divided by this machine's fp32 matmul pea
 `compute_efficiency.matmul_bench` (best of a square 2048^3 and the model's large-batch shapes; the decode shapes at 64 and 8
 rows are printed beside it to show how far small matrices are from the peak). fraction = limit time / measured time.
 
-    python bench/generation.py                  # full: 3 timed rounds x 4 arms, about 4 min on an idle 2-core machine
+    python bench/generation.py                  # full: 3 timed rounds x 4 arms, about 3 min on an idle 2-core machine
     python bench/generation.py --quick          # tiny random model, seconds
 """
 import argparse, sys, time

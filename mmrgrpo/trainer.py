@@ -140,6 +140,7 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
             skipped_update = bool(result.metrics["nonfinite_updates"])
             state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
             if c.eval_every and data.eval_prompts and done % c.eval_every == 0 and done < c.steps: metrics.update(evaluate_now())
+            if done == 1: metrics.update(precision.metrics())       # the run's dtypes, once: precision/weights, precision/autocast
             logger.log(metrics, done); rows.append({"step": done, **metrics})
             if rank == 0: report_step(c, bar, done, metrics, result)
             if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:

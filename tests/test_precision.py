@@ -130,3 +130,74 @@ def test_checkpointing_is_non_reentrant_with_and_without_4bit(monkeypatch, four_
         m(ids).logits.float().logsumexp(-1).mean().backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
     assert grads[0].keys() == grads[1].keys() and all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+
+
+# --- fp16 autocast (compute capability < 8.0) scales the loss; nothing else does
+
+def test_a_loss_scaler_only_for_fp16_autocast_on_cuda(hardware):
+    "choose_dtype picks fp16 autocast on a T4 (7.5): the update scales the loss there; bf16 GPUs, fp32 and CPUs take no scaler."
+    from mmrgrpo.step import grad_scaler, needs_grad_scaler
+    for capability, setting, expected in [((7, 5), "auto", True), ((8, 0), "auto", False), ((7, 5), False, False),
+                                          ((7, 5), True, False)]:
+        hardware((), capability)
+        assert needs_grad_scaler("cuda", choose_dtype("cuda", autocast=setting).autocast) is expected, (capability, setting)
+    for flags in ({"amx_bf16"}, set()):
+        hardware(flags)
+        assert not needs_grad_scaler("cpu", choose_dtype("cpu").autocast)
+    opt, other = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1) for _ in range(2))
+    assert grad_scaler(opt, "cpu", BF16) is None and grad_scaler(opt, "cpu", None) is None and grad_scaler(opt, "cuda", BF16) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # on a machine without CUDA the scaler warns that it disables itself
+        scaler = grad_scaler(opt, "cuda", F16)
+        assert scaler is not None and grad_scaler(opt, "cuda", F16) is scaler       # one per optimizer: the scale carries over
+        assert grad_scaler(other, "cuda", F16) is not scaler
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_cpu_updates_take_no_loss_scaler(tmp_path, setting):
+    "bf16 and fp32 autocast on a CPU: the update's step is the plain optimizer step, as before."
+    from mmrgrpo import step
+    from test_combinations import _config, _model, _rollout
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = step.update(model, opt, _rollout(), torch.linspace(-1, 1, 8), _config(tmp_path, autocast_bf16=setting))
+    assert "amp/grad_scale" not in metrics and opt not in step._SCALERS and metrics["nonfinite_updates"] == 0
+
+
+@pytest.mark.gpu
+def test_fp16_autocast_on_cuda_unscales_before_the_step(tmp_path, monkeypatch):
+    "A T4's fp16 autocast (faked on any GPU): the scaled backward, unscaled, moves the weights as the fp32 update does."
+    import copy, dataclasses
+    from mmrgrpo import step
+    from test_combinations import _config, _model, _rollout
+    monkeypatch.setattr(models, "half_dtype", lambda device="cpu": F16 if torch.device(device).type == "cuda" else None)
+    ro = _rollout()
+    ro = dataclasses.replace(ro, **{f.name: getattr(ro, f.name).cuda() for f in dataclasses.fields(ro)
+                                    if isinstance(getattr(ro, f.name), torch.Tensor)})
+    adv, start = torch.linspace(-1, 1, 8).cuda(), _model().cuda()
+    moved, metrics = {}, {}
+    for setting in ("auto", False):             # fp16 autocast with a scaler; fp32 without
+        model = copy.deepcopy(start)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        metrics[setting] = step.update(model, opt, ro, adv, _config(tmp_path, autocast_bf16=setting))
+        moved[setting] = {n: (p - start.get_parameter(n)).detach() for n, p in model.named_parameters()}
+        assert (opt in step._SCALERS) == (setting == "auto")
+    assert metrics["auto"]["amp/grad_scale"] == step.GRAD_SCALE_START and metrics["auto"]["nonfinite_updates"] == 0
+    assert "amp/grad_scale" not in metrics[False]
+    for n in moved[False]:
+        torch.testing.assert_close(moved["auto"][n], moved[False][n], rtol=0.05, atol=1e-4, msg=n)
+
+
+def test_the_first_metrics_row_records_the_precision(tmp_path):
+    "The dtypes the trainer prints are also in the log: strings in step 1's row, which read_metrics and the plot take."
+    from mmrgrpo.runlog import read_metrics
+    from mmrgrpo.trainer import plot_rewards, train
+    c = load_config(model="tiny-random", steps=2, num_generations=2, prompts_per_step=2, max_completion_length=4, eval_size=0,
+                    log_completions_every=0, save_every=0, lora_r=4, output_dir=str(tmp_path))
+    train(c, progress=False)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    expected = choose_dtype("cpu", c.dtype, c.autocast_bf16, frozen_base=c.lora).metrics()
+    assert {k: rows[0].get(k) for k in expected} == expected and expected["precision/weights"] == "float32"
+    assert not any(k.startswith("precision/") for k in rows[1])
+    assert plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "curve.png").exists()

@@ -1,7 +1,9 @@
 """The transformers backend's own decode loop (`HFBackend.decode`): greedy completions equal transformers' `generate` token for
 token, seeded sampling is reproducible and draws what the `generate` path draws, and finished rows really leave the batch."""
+import inspect
 import pytest, torch
-from mmrgrpo.sampling import HFBackend, cache_kwarg, output_cache, reserve_cache
+from mmrgrpo.kvcache import cache_kwarg, output_cache, reserve_cache
+from mmrgrpo.sampling import GenerationBackend, HFBackend
 
 
 def chat(tok, q):
@@ -122,3 +124,20 @@ def test_reserved_cache_keeps_selected_rows(tiny_model):
     assert torch.equal(cache.layers[0].keys, k[[2, 0]])
     out = tiny_model(input_ids=ids[[2, 0], :1], use_cache=True, **{cache_kwarg(tiny_model): cache})   # room left: in place
     assert output_cache(out).layers[0].keys.shape[-2] == 7
+
+
+def protocol_methods() -> dict:
+    "The methods `GenerationBackend` asks for, with their parameter names."
+    return {n: list(inspect.signature(f).parameters) for n, f in vars(GenerationBackend).items()
+            if callable(f) and not n.startswith("_")}
+
+
+def test_backends_satisfy_the_generation_protocol(tiny_model, tokenizer):
+    from mmrgrpo.vllm_backend import VLLMBackend                  # importable without vLLM: the engine loads lazily
+    assert sorted(protocol_methods()) == ["generate", "sync_weights"]
+    assert isinstance(HFBackend(tiny_model, tokenizer), GenerationBackend)
+    assert not isinstance(object(), GenerationBackend)
+    for backend in (HFBackend, VLLMBackend):                      # the same methods, taking the same arguments
+        for name, params in protocol_methods().items():
+            assert list(inspect.signature(getattr(backend, name)).parameters) == params, (backend.__name__, name)
+

@@ -15,9 +15,12 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 
 # The fixed configuration the step benchmarks share (step_anatomy, overheads, compute_efficiency, trl_compare).
+# fp32 throughout (update and sampler), whatever the hardware, so that tables from different machines compare; the
+# "best dtype" arms set autocast_bf16=auto sampler_dtype=auto (what a user gets by default) and say so
 BENCH_CONFIG = dict(model="smollm2", lora=True, num_generations=8, prompts_per_step=8, max_completion_length=48,
                     task="arithmetic:2", beta=0.04, loss_type="grpo", learning_rate=1e-4, seed=0,
-                    eval_size=0, eval_before=False, save_every=0, log_completions_every=0)
+                    eval_size=0, eval_before=False, save_every=0, log_completions_every=0,
+                    dtype="float32", autocast_bf16=False, sampler_dtype="float32")
 # --quick: the same code paths on the 2-layer random model, in seconds
 QUICK_CONFIG = dict(BENCH_CONFIG, model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=8)
 
@@ -50,12 +53,20 @@ def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", 
     return []
 
 
+def auto_precision() -> str:
+    "What `dtype`/`autocast_bf16`/`sampler_dtype` 'auto' pick on this machine's CPU (the benchmarks' own config may pin them)."
+    from mmrgrpo.models import choose_dtype
+    from mmrgrpo.sampler_copy import sampler_dtype
+    return f"{choose_dtype('cpu').describe()}; sampler copy {sampler_dtype('auto', 'cpu')}"
+
+
 def machine_info() -> dict:
     import torch, transformers
     return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(), "python": platform.python_version(), "hostname": platform.node(),
+            "auto_precision": auto_precision(),
             "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 

@@ -7,8 +7,11 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `generate`: `drop_finished=False`, transformers' `generate` loop, what the trainer used before;
 - `decode`: our loop, a row leaves the batch (with its KV-cache rows) at its end-of-sequence token (the default, `compact_at=0`);
 - `decode/quarter`: our loop, finished rows dropped only once they are >= 25% of the batch (`compact_at=0.25`);
-- `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping.
-Every arm draws the same random numbers for the same rows, so all of them produce the same completions (checked and recorded:
+- `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping;
+- `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 04c) in fp32 or bf16;
+  the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
+  |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
+Every arm draws the same random numbers for the same rows, so all but the bf16 copy produce the same completions (checked and recorded:
 `same_completions`); the timing differences are the loops alone. Rounds are interleaved (order reversed every other round),
 one unrecorded warm-up round first; `forward_rows` counts the rows of every decode forward pass (prefill excluded).
 
@@ -18,7 +21,7 @@ the embedding lookup are not counted), divided by this machine's fp32 matmul pea
 `compute_efficiency.matmul_bench` (best of a square 2048^3 and the model's large-batch shapes; the decode shapes at 64 and 8
 rows are printed beside it to show how far small matrices are from the peak). fraction = limit time / measured time.
 
-    python bench/generation.py                  # full: 3 timed rounds x 4 arms, about 3 min on an idle 2-core machine
+    python bench/generation.py                  # full: 3 timed rounds x 6 arms, about 5 min on an idle 2-core machine
     python bench/generation.py --quick          # tiny random model, seconds
 """
 import argparse, sys, time
@@ -28,7 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
 ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
-        "decode/keep": dict(compact_at=1.0)}
+        "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
+        "decode/copy-bf16": dict(copy_dtype="bfloat16")}
+
+
+def backend_kwargs(arm: str) -> dict:
+    import torch
+    kw = dict(ARMS[arm])
+    if "copy_dtype" in kw: kw["copy_dtype"] = getattr(torch, kw["copy_dtype"])
+    return kw
 
 
 def token_flops(pc: dict) -> int:
@@ -69,25 +80,27 @@ def main(argv=None):
     small[f"64x{d} @ {d}x{V} (head, 64 rows)"] = (64, d, V)
     mm = matmul_bench({**shapes, **small}, 3 if not args.quick else 1)
     peak = max(mm[k]["fp32"]["median"] for k in shapes)
+    peak_bf16 = max(mm[k]["bf16"]["median"] for k in shapes)
     print(f"fp32 matmul GFLOP/s here (threads={torch.get_num_threads()}, CPU {bl.cpu_model()}, flags {bl.cpu_flags()}):")
     print(bl.table([{"shape": k, "fp32_GFLOPs": v["fp32"]["median"]} for k, v in mm.items()], ["shape", "fp32_GFLOPs"],
                    {"fp32_GFLOPs": ".1f"}))
-    print(f"peak: {peak:.1f} GFLOP/s; one generated token = {per_token / 1e9:.3f} GFLOP")
+    print(f"peak: {peak:.1f} GFLOP/s in fp32, {peak_bf16:.1f} in bf16; one generated token = {per_token / 1e9:.3f} GFLOP")
 
     # ---- the arms, interleaved
     rows_seen = []
     # on the embedding: transformers' `generate` on a peft model calls the base model, past the peft wrapper
     hook = model.get_input_embeddings().register_forward_pre_hook(
         lambda m, a: rows_seen.append(a[0].shape[0]) if a[0].shape[1] == 1 else None)
-    raw, outputs = {a: [] for a in args.arms}, {}
+    raw, outputs, backends, rollouts = {a: [] for a in args.arms}, {}, {}, {}
     for rnd, arm in bl.interleaved(args.arms, repeats + 1):
-        backend = HFBackend(model, tok, c.max_prompt_length, c.share_prompt, **ARMS[arm])
+        backend = backends.get(arm) or backends.setdefault(arm, HFBackend(model, tok, c.max_prompt_length, c.share_prompt,
+                                                                            **backend_kwargs(arm)))
         rows_seen.clear()
         t0 = time.perf_counter()
         ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
         dt = time.perf_counter() - t0
         valid = int(ro.completion_mask.sum())
-        outputs.setdefault(arm, ro.completion_ids)
+        outputs.setdefault(arm, ro.completion_ids); rollouts.setdefault(arm, ro)
         rec = {"seconds": dt, "valid_tokens": valid, "rows": ro.completion_ids.shape[0], "width": ro.completion_ids.shape[1],
                "forward_rows": sum(rows_seen), "decode_steps": len(rows_seen)}
         print(f"  {'warm-up' if rnd == 0 else f'round {rnd}'}  {arm:13s} {dt:7.2f} s  {valid} valid tokens, "
@@ -96,6 +109,19 @@ def main(argv=None):
     hook.remove()
     ref = outputs[args.arms[0]]
     same = {a: bool(torch.equal(o, ref)) for a, o in outputs.items()}
+    # a copy in another dtype samples from slightly different probabilities: the learner/sampler log-prob gap on its tokens
+    from mmrgrpo.vllm_backend import logprob_gap
+    from mmrgrpo.logprobs import completion_stats
+    gaps = {}
+    for arm, b in backends.items():
+        if b.copy_dtype is None: continue
+        ro = rollouts[arm]
+        with torch.no_grad():
+            ro.sampler_logprobs = torch.cat([completion_stats(b.model, ro.prompt_ids[i:i + 8], ro.prompt_mask[i:i + 8],
+                                                              ro.completion_ids[i:i + 8], ro.completion_mask[i:i + 8])[0]
+                                             for i in range(0, len(ro.completions), 8)]).float()
+            gaps[arm] = logprob_gap(b, model, ro)
+        print(f"  {arm}: learner/sampler log-prob gap mean {gaps[arm]['logprob_gap/mean']:.4f}, max {gaps[arm]['logprob_gap/max']:.3f}")
 
     base = "generate" if "generate" in raw else args.arms[0]
     rows = []
@@ -107,21 +133,23 @@ def main(argv=None):
                      "speedup": bl.median([a["seconds"] for a in raw[base]]) / t,
                      "paired_speedup": bl.median([a["seconds"] / b["seconds"] for a, b in zip(raw[base], xs)]),
                      "achieved_GFLOPs": valid * per_token / t / 1e9, "frac_of_limit": limit_s / t, "limit_s": limit_s,
-                     "same_completions": same[arm]})
+                     "frac_of_bf16_limit": valid * per_token / (peak_bf16 * 1e9) / t,
+                     "same_completions": same[arm], "logprob_gap_mean": gaps.get(arm, {}).get("logprob_gap/mean")})
     print(f"\n{c.prompts_per_step} prompts x {c.num_generations} completions, up to {c.max_completion_length} tokens, "
           f"temperature {c.temperature}: {raw[base][0]['valid_tokens']} valid tokens; medians of {repeats} rounds; "
           f"compute limit {rows[0]['limit_s']:.2f} s at {peak:.0f} GFLOP/s")
     print(bl.table(rows, ["arm", "seconds", "valid_tok_per_s", "forward_rows", "speedup", "paired_speedup", "achieved_GFLOPs",
-                          "frac_of_limit", "same_completions"],
+                          "frac_of_limit", "frac_of_bf16_limit", "same_completions", "logprob_gap_mean"],
                    {"seconds": ".2f", "valid_tok_per_s": ".0f", "speedup": ".2f", "paired_speedup": ".2f",
-                    "achieved_GFLOPs": ".1f", "frac_of_limit": ".1%"}))
+                    "achieved_GFLOPs": ".1f", "frac_of_limit": ".1%", "frac_of_bf16_limit": ".1%"}))
     from dataclasses import asdict
     out = {"name": "generation", "quick": args.quick, "config": asdict(c), "repeats": repeats, "arms": {a: ARMS[a] for a in raw},
-           "summary": rows, "raw": raw, "same_completions": same, "token_gflop": per_token / 1e9, "model": pc,
-           "matmul": {"shapes": {k: list(v) for k, v in {**shapes, **small}.items()}, "gflops": mm, "peak_fp32_gflops": peak},
+           "summary": rows, "raw": raw, "same_completions": same, "logprob_gaps": gaps, "token_gflop": per_token / 1e9, "model": pc,
+           "matmul": {"shapes": {k: list(v) for k, v in {**shapes, **small}.items()}, "gflops": mm, "peak_fp32_gflops": peak, "peak_bf16_gflops": peak_bf16},
            "meta": bl.finish_meta(meta),
            "notes": "speedup = median seconds of the base arm / median seconds of the arm; paired_speedup = median over rounds "
-                    "of the per-round ratio; frac_of_limit = (valid tokens x token FLOPs / fp32 peak) / seconds"}
+                    "of the per-round ratio; frac_of_limit = (valid tokens x token FLOPs / fp32 peak) / seconds; frac_of_bf16_limit: the same "
+                    "at the bf16 peak"}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("generation", args.quick), out)
     print(f"wrote {p}")
 

@@ -13,6 +13,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 from transformers import LogitsProcessorList
 from .kvcache import cache_kwarg, output_cache, reserve_cache
+from .sampler_copy import merged_copy, refresh_copy
 
 # %% ../nbs/04_sampling.ipynb #eefe1788
 @dataclass
@@ -103,14 +104,16 @@ class InverseCDFSampler:
 
 # %% ../nbs/04_sampling.ipynb #d9e68bd4
 class HFBackend:
-    "Sample with the policy itself: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
+    "Sample with the policy (or its merged copy, `04c_sampler_copy`): one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
     def __init__(self, model, tokenizer, max_prompt_length: int = 512,
                  share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
                  drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
-                 compact_at: float = 0.0):     # drop finished rows once they are this fraction of the batch (0: at each EOS)
-        self.model, self.tokenizer, self.max_prompt_length, self.share_prompt = model, tokenizer, max_prompt_length, share_prompt
-        self.drop_finished, self.compact_at = drop_finished, compact_at
+                 compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
+                 copy_dtype: Optional[torch.dtype] = None):   # sample from a merged copy in this dtype (04c); None: the policy
+        self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
+        self.drop_finished, self.compact_at, self.copy_dtype = drop_finished, compact_at, copy_dtype
         self.eos_ids = stop_token_ids(model, tokenizer)
+        self.model = merged_copy(model, copy_dtype) if copy_dtype is not None else model    # the model sampled with
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
         "KV cache of every prompt but its last token, with room for the new tokens (None: prompts of one token)."
@@ -197,5 +200,6 @@ class HFBackend:
         return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask, num_generations)
 
     def sync_weights(self, model):
-        "Nothing to do: generation uses the training model itself."
-        self.model = model
+        "After an update: refresh the merged copy from `model`, or (no copy) sample with `model` itself."
+        if self.copy_dtype is not None: refresh_copy(self.model, model)
+        else: self.model = model

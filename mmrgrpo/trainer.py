@@ -22,6 +22,7 @@ from .prompts import format_prompt, default_shots, check_prompt_lengths
 from .rewards import get_reward_funcs, accuracy_reward
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout
+from .sampler_copy import sampler_dtype
 from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded
@@ -113,9 +114,11 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     if model is None: model, tokenizer = load_policy(c)
     precision = choose_dtype(getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"),
                              c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
-    if rank == 0: print(f"precision: {precision.describe()}")
     data = fit_run_data(tokenizer, c, data)
     tools = build_step_tools(c, model, tokenizer)
+    sampler = getattr(tools.backend, "copy_dtype", None)
+    sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
+    if rank == 0: print(f"precision: {precision.describe()}; sampling from {sampler}")
     start, state = 0, {"nonfinite_in_a_row": 0, "world_size": world}
     if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
     logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
@@ -140,7 +143,7 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
             skipped_update = bool(result.metrics["nonfinite_updates"])
             state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
             if c.eval_every and data.eval_prompts and done % c.eval_every == 0 and done < c.steps: metrics.update(evaluate_now())
-            if done == 1: metrics.update(precision.metrics())       # the run's dtypes, once: precision/weights, precision/autocast
+            if done == 1: metrics.update(precision.metrics(), **{"precision/sampler": sampler})       # the run's dtypes, once: precision/weights, precision/autocast
             logger.log(metrics, done); rows.append({"step": done, **metrics})
             if rank == 0: report_step(c, bar, done, metrics, result)
             if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:
@@ -197,8 +200,10 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
-    backend = HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt)
-    if c.generation_backend == "vllm":
+    if c.generation_backend == "hf":
+        copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
+        backend = HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype)
+    else:
         from mmrgrpo.vllm_backend import VLLMBackend
         backend = VLLMBackend(model, tokenizer, c)
     ref_model = None
@@ -217,6 +222,7 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:
     "(step, trainer state) from a verified checkpoint, its weights, optimizer, schedule and RNG states restored."
     state = load_checkpoint(checkpoint, tools.model, tools.optimizer, tools.scheduler, verify=False)    # verified already
+    tools.backend.sync_weights(tools.model)          # the sampler (a merged copy, a vLLM engine) follows the restored weights
     saved_world = state.setdefault("world_size", 1)
     if saved_world != world:
         raise ConfigError(f"{checkpoint} was written by a run on {saved_world} process(es) and this run has {world}: resume with "

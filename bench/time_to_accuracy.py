@@ -67,12 +67,11 @@ def base_eval(c) -> dict:
     import mmrgrpo.trainer as tr
     from mmrgrpo.data import load_tasks
     from mmrgrpo.models import load_policy
-    from mmrgrpo.sampling import HFBackend
     model, tok = load_policy(c)
     src = tr.eval_source(c)
     tasks = load_tasks(src, "test", limit=c.eval_size, data_dir=c.data_dir)
     prompts = [tr.build_prompt(tok, c, t["question"], src) for t in tasks]
-    res = tr.run_eval(HFBackend(model, tok, c.max_prompt_length), prompts, [t["answer"] for t in tasks], c, tok)
+    res = tr.run_eval(tr.make_backend(c, model, tok), prompts, [t["answer"] for t in tasks], c, tok)   # the trainer's sampler
     del model; gc.collect()
     return res
 

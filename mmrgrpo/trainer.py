@@ -198,14 +198,17 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
                    [build_prompt(tokenizer, c, t["question"], data.eval_source) for t in eval_tasks],
                    [t["answer"] for t in eval_tasks])
 
+def make_backend(c: GRPOConfig, model, tokenizer):
+    "The generation backend the config asks for: transformers (on the policy or its merged copy, 04c) or vLLM."
+    if c.generation_backend == "vllm":
+        from mmrgrpo.vllm_backend import VLLMBackend
+        return VLLMBackend(model, tokenizer, c)
+    copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
+    return HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype)
+
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
-    if c.generation_backend == "hf":
-        copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
-        backend = HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype)
-    else:
-        from mmrgrpo.vllm_backend import VLLMBackend
-        backend = VLLMBackend(model, tokenizer, c)
+    backend = make_backend(c, model, tokenizer)
     ref_model = None
     if c.beta_ and not hasattr(model, "disable_adapter"):
         import copy

@@ -116,7 +116,7 @@ def main(argv=None):
                                                output_dir="runs/bench_compute", threads=args.threads))
     # ---- part 2's rollout first, so the matmul shapes can use its token count
     model, tok = load_policy(c)
-    backend = tr.HFBackend(model, tok, c.max_prompt_length)
+    backend = tr.make_backend(c, model, tok)           # the trainer's sampler (the bench config: a merged fp32 copy)
     records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
     prompts = [tr.build_prompt(tok, c, r["question"], c.task) for r in records]
     ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=tr.step_seed(c.seed, 0))

@@ -45,13 +45,14 @@ def main(argv=None):
     from mmrgrpo.models import load_policy, trainable_parameters
     from mmrgrpo.rewards import get_reward_funcs
     from mmrgrpo.mmr import load_embedder
-    from mmrgrpo.advantages import group_advantages
+    from mmrgrpo.advantages import group_advantages, frac_zero_std
+    from mmrgrpo.step import micro_batches
     repeats = args.repeats or (2 if args.quick else 3)
     base = dict(bl.QUICK_CONFIG, num_generations=8) if args.quick else dict(bl.BENCH_CONFIG)
     c = load_config(overrides=args.set, **dict(base, steps=1, output_dir="runs/bench_overheads", threads=args.threads))
 
     model, tok = load_policy(c)
-    backend = tr.HFBackend(model, tok, c.max_prompt_length)
+    backend = tr.make_backend(c, model, tok)           # the trainer's sampler (the bench config: a merged fp32 copy)
     embedder = load_embedder(c.embedding_model)
     reward_funcs = get_reward_funcs(c.reward_funcs)
     records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
@@ -67,7 +68,7 @@ def main(argv=None):
     N, T = ro.completion_ids.shape
     print(f"rollout: {N} completions, prompt width {ro.prompt_ids.shape[1]}, completion width {T}, "
           f"{int(ro.completion_mask.sum())} valid tokens, mean reward {rewards.mean().item():.3f}, "
-          f"zero-std groups {tr.frac_zero_std(rewards, ro.group_size):.2f}")
+          f"zero-std groups {frac_zero_std(rewards, ro.group_size):.2f}")
 
     params = trainable_parameters(model)
     init = {n: p.detach().clone() for n, p in params.items()}
@@ -80,11 +81,11 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    auto_mb = c.micro_batch_size or tr.micro_batches(torch.arange(N) // c.num_generations, T)[0].stop   # rows in the first pass
+    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, T)[0].stop   # rows in the first pass
     MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}
-    c_mmr = dataclasses.replace(c, mmr=True)
+    c_mmr = check_config(dataclasses.replace(c, mmr=True))
     names = list(arms) + ["mmr", "reward"]
     raw = {k: [] for k in names}
     for rep, name in bl.interleaved(names, args.warmup + repeats):

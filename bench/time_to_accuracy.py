@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
 ARMS = {"grpo": {}, "mmr": {"mmr": True}, "cppo": {"prune_rate": 0.75}, "gmts": {"token_selection": "gmts"},
-        "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"}}
+        "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"},
+        "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"}}      # the two that never revive an all-equal group
 DR_ARMS = {"dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
            "mmr_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none", "mmr": True}}
 TARGET = 0.95
@@ -106,6 +107,14 @@ def first_reach(curve: list, target: float):
     return None, None
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple:
+    "95% Wilson interval of a proportion p measured on n independent tasks."
+    if n <= 0: return (float("nan"), float("nan"))
+    d = 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / d
+    return (mid - half, mid + half)
+
+
 def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
     "Per-arm peaks, time to 95% of GRPO's peak (seed-mean curve and per seed), step times, and spreads."
     out = {"arms": {}, "target_fraction": TARGET}
@@ -143,6 +152,9 @@ def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
             "seeds": have[a], "peak_mean_curve": max(p[1] for p in mc[a]),
             "peak_per_seed_mean": statistics.mean(peaks), "peak_per_seed_std": statistics.pstdev(peaks),
             "final_mean": mc[a][-1][1], "step_reached": s_reach, "seconds_reached": t_reach,
+            # pooled over seeds (eval_size x seeds answers; the same tasks each seed, so this understates the spread a little)
+            "peak_ci95": wilson(max(p[1] for p in mc[a]), eval_size * len(have[a])),
+            "final_ci95": wilson(mc[a][-1][1], eval_size * len(have[a])),
             "median_step_s": statistics.median(v["median_step_s"] for v in per_seed.values()),
             "mean_curve": [dict(zip(("step", "accuracy", "seconds", "acc_min", "acc_max", "acc_std"), p)) for p in mc[a]],
             "per_seed": per_seed}
@@ -178,7 +190,8 @@ def plot(summary: dict, png_dir: Path, tag: str) -> list:
 def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
     s = summarise(runs, arms, seeds, c0["eval_size"])
     rows = [{"arm": a, "seeds": len(v["seeds"]), "peak": v["peak_mean_curve"], "peak_seed_mean": v["peak_per_seed_mean"],
-             "peak_seed_std": v["peak_per_seed_std"], "final": v["final_mean"], "step_95": v["step_reached"],
+             "peak_seed_std": v["peak_per_seed_std"], "final": v["final_mean"],
+             "final_ci95": "{:.3f}-{:.3f}".format(*v["final_ci95"]), "step_95": v["step_reached"],
              "seconds_95": v["seconds_reached"],
              "step_95_per_seed": "/".join(str(x["step_reached"]) for x in v["per_seed"].values()), "step_s": v["median_step_s"], "step_time_vs_grpo": v.get("step_time_ratio_vs_grpo"),
              "wallclock_vs_grpo": v.get("wallclock_ratio_vs_grpo")} for a, v in s["arms"].items()]
@@ -188,7 +201,7 @@ def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
     if s["target_at_or_below_base"]:
         print("NOTE: the target is at or below the base model's accuracy, so every arm 'reaches' it at step 0: "
               "GRPO did not improve on the base here, and the time-to-accuracy comparison says nothing.")
-    print(bl.table(rows, ["arm", "seeds", "peak", "peak_seed_mean", "peak_seed_std", "final", "step_95", "seconds_95", "step_95_per_seed",
+    print(bl.table(rows, ["arm", "seeds", "peak", "peak_seed_mean", "peak_seed_std", "final", "final_ci95", "step_95", "seconds_95", "step_95_per_seed",
                           "step_s", "step_time_vs_grpo", "wallclock_vs_grpo"],
                    {"peak": ".3f", "peak_seed_mean": ".3f", "peak_seed_std": ".3f", "final": ".3f", "seconds_95": ".0f",
                     "step_s": ".1f", "step_time_vs_grpo": ".2f", "wallclock_vs_grpo": ".2f"}))

@@ -8,7 +8,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 'sample_tokens', 'InverseCDFSampler', 'HFBackend']
 
 # %% ../nbs/04_sampling.ipynb #3e34fd79
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 import torch
 from transformers import LogitsProcessorList

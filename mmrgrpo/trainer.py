@@ -6,8 +6,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval', 'train', 'RunData',
-           'load_run_data', 'fit_run_data', 'build_step_tools', 'resume', 'report_step', 'eval_source', 'build_prompt',
-           'step_seed', 'fit_prompts', 'plot_rewards']
+           'load_run_data', 'fit_run_data', 'make_backend', 'build_step_tools', 'resume', 'report_step', 'eval_source',
+           'build_prompt', 'step_seed', 'fit_prompts', 'plot_rewards']
 
 # %% ../nbs/11_trainer.ipynb #a3797925
 import functools, random, time

@@ -77,7 +77,7 @@ class GRPOConfig:
     eps_high: Optional[float] = _f(None, "upper clip range (None: 0.2, or 0.28 for dapo)")
     scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(None, "divide advantages by the group's std, the batch's, or not at all (None: 'none' for dr_grpo, which removes the std, else 'group')")
     num_iterations: int = _f(1, "optimisation passes over each batch of completions")
-    tis_cap: Optional[float] = _f(None, "truncated importance sampling for a sampler that is not the learner (vLLM; a 16-bit sampler for a 4-bit QLoRA learner): each token's policy-gradient term is weighted by min(pi_learner / pi_sampler, tis_cap); None: 2.0 with generation_backend=vllm, off with hf (the learner samples itself); 0: off")
+    tis_cap: Optional[float] = _f(None, "truncated importance sampling for a sampler that is not the learner (vLLM; a 16-bit sampler for a 4-bit QLoRA learner): each token's policy-gradient term is weighted by min(pi_learner / pi_sampler, tis_cap); None: 2.0 with generation_backend=vllm, off with hf (the learner, or its merged copy, samples; set a cap to correct a bf16 copy); 0: off")
     share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group's completions (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
@@ -218,8 +218,9 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
     need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off with hf); "
          "it caps the importance weight pi_learner / pi_sampler")
-    need(not (c.tis_cap and c.generation_backend == "hf"), f"tis_cap={c.tis_cap} with generation_backend=hf: the hf backend samples "
-         "with the learner itself and has no sampler log-probs to correct against; set tis_cap=0, or null (on with vLLM only)")
+    need(not (c.tis_cap and c.generation_backend == "hf" and c.sampler_dtype == "policy"), f"tis_cap={c.tis_cap} with "
+         "generation_backend=hf and sampler_dtype=policy: the learner samples itself and there is nothing to correct; set "
+         "tis_cap=0 or null, or sample from a merged copy (sampler_dtype=auto/bfloat16), whose log-probs are recorded")
     need(c.reward_weights is None or len(c.reward_weights) == len(c.reward_funcs),
          f"reward_weights has {len(c.reward_weights or [])} entries for {len(c.reward_funcs)} reward_funcs: give one weight each")
     need(not (c.load_in_4bit and not c.lora), "load_in_4bit=true (QLoRA) needs lora=true: 4-bit base weights cannot be trained directly")

@@ -27,7 +27,7 @@ class Rollout:
     completion_mask: torch.Tensor   # (N, T) 1 up to and including the first end-of-sequence token
     group_size: int                 # G as sampled; after batch-scope pruning groups differ in size: use `group_ids`
     group_ids: Optional[torch.Tensor] = None   # (N,) each row's group (prompt) id; None: row // group_size
-    sampler_logprobs: Optional[torch.Tensor] = None   # (N, T) the sampler's log-probs (vLLM), 0 on padding; None: the learner sampled
+    sampler_logprobs: Optional[torch.Tensor] = None   # (N, T) the sampler's log-probs (vLLM, a merged sampling copy), 0 on padding; None: the learner sampled
 
     def __post_init__(self):
         if self.group_ids is None: self.group_ids = torch.arange(len(self.completions)) // max(self.group_size, 1)
@@ -109,9 +109,10 @@ class HFBackend:
                  share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
                  drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
                  compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
-                 copy_dtype: Optional[torch.dtype] = None):   # sample from a merged copy in this dtype (04c); None: the policy
+                 copy_dtype: Optional[torch.dtype] = None,    # sample from a merged copy in this dtype (04c); None: the policy
+                 record_logprobs: bool = False):               # keep each drawn token's log-prob (`tis_cap` corrects with them)
         self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
-        self.drop_finished, self.compact_at, self.copy_dtype = drop_finished, compact_at, copy_dtype
+        self.drop_finished, self.compact_at, self.copy_dtype, self.record_logprobs = drop_finished, compact_at, copy_dtype, record_logprobs
         self.eos_ids = stop_token_ids(model, tokenizer)
         self.model = merged_copy(model, copy_dtype) if copy_dtype is not None else model    # the model sampled with
 
@@ -145,8 +146,8 @@ class HFBackend:
                                   eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **kw)
         return out[:, p_ids.shape[1]:]
 
-    def decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy):
-        "(N, T) completion ids, right-padded with the pad token, from our loop: a row leaves the batch once it has ended."
+    def decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy, logprobs=None):
+        "(N, T) completion ids, right-padded with the pad token, from our loop: a row leaves the batch once it has ended; fills `logprobs` (N, T) if given."
         N, P = p_ids.shape
         device, name = p_ids.device, cache_kwarg(self.model)
         out = torch.full((N, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
@@ -166,6 +167,8 @@ class HFBackend:
             else:   # one draw per output row and step, finished or not, exactly as transformers' loop draws them
                 u = torch.rand(N, 1, device=device, dtype=torch.float64)
                 tok = sample_tokens(logits, temperature, top_p, u=u[rows])
+            if logprobs is not None:    # the sampler's log-prob of each drawn token, at the temperature the loss uses
+                logprobs[rows[alive], t] = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tok[:, None])[alive, 0]
             out[rows[alive], t] = tok[alive]
             alive &= ~torch.isin(tok, eos)
             n_alive = int(alive.sum())
@@ -190,14 +193,19 @@ class HFBackend:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                run = self.decode if self.drop_finished else self.transformers_decode
-                c_ids = run(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy)
+                # a copy in another dtype is not quite the learner: its log-probs, for the importance correction (tis_cap)
+                record = self.record_logprobs and self.drop_finished and not greedy
+                lps = torch.zeros(len(p_ids), max_new_tokens, device=device) if record else None
+                if self.drop_finished: c_ids = self.decode(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy, lps)
+                else: c_ids = self.transformers_decode(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy)
         finally:
             self.model.train(was_training)
         if c_ids.shape[1] == 0: c_ids = torch.full((len(p_ids), 1), self.eos_ids[0], device=device)
         c_mask = completion_mask(c_ids, self.eos_ids)
         texts = self.tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * self.tokenizer.pad_token_id, skip_special_tokens=True)
-        return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask, num_generations)
+        if lps is not None: lps = lps[:, :c_ids.shape[1]] * c_mask
+        return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask, num_generations,
+                       sampler_logprobs=lps)
 
     def sync_weights(self, model):
         "After an update: refresh the merged copy from `model`, or (no copy) sample with `model` itself."

@@ -94,7 +94,8 @@ def importance_cap(c: GRPOConfig, rollout: Rollout) -> float:
     if not c.tis_cap_ or rollout.sampler_logprobs is not None: return c.tis_cap_
     if c.tis_cap is None: return 0.0         # auto: nothing to correct against
     raise ValueError(f"tis_cap={c.tis_cap}: the rollout has no sampler log-probs (Rollout.sampler_logprobs) to weight against; "
-                     "the vLLM backend records them, a learner sampling itself needs no correction: set tis_cap=0 or null")
+                     "the vLLM backend and a merged sampling copy (sampler_dtype) record them, a learner sampling itself needs no "
+                     "correction: set tis_cap=0 or null")
 
 _SCALERS = weakref.WeakKeyDictionary()    # one GradScaler per optimizer: the loss scale carries over from step to step
 GRAD_SCALE_START = 2.0 ** 10               # not torch's 2**16: a step's weight gradients sum over thousands of tokens

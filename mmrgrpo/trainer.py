@@ -204,7 +204,8 @@ def make_backend(c: GRPOConfig, model, tokenizer):
         from mmrgrpo.vllm_backend import VLLMBackend
         return VLLMBackend(model, tokenizer, c)
     copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
-    return HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype)
+    return HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype,
+                     record_logprobs=copy_dtype is not None and c.tis_cap_ > 0)
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."

@@ -74,8 +74,37 @@ def test_cap_settings(tmp_path):
     assert _config(tmp_path, generation_backend="vllm", tis_cap=3).tis_cap_ == 3.0
     with pytest.raises(ConfigError, match=r"tis_cap=-0.5: must be >= 0"):
         _config(tmp_path, generation_backend="vllm", tis_cap=-0.5)
-    with pytest.raises(ConfigError, match="tis_cap=2.0 with generation_backend=hf"):
-        _config(tmp_path, tis_cap=2)
+    with pytest.raises(ConfigError, match="tis_cap=2.0 with generation_backend=hf and sampler_dtype=policy"):
+        _config(tmp_path, tis_cap=2, sampler_dtype="policy")
+    assert _config(tmp_path, tis_cap=2, sampler_dtype="bfloat16").tis_cap_ == CAP    # a bf16 copy samples: it can be corrected
+
+
+def test_a_merged_copy_records_its_own_logprobs(tmp_path):
+    "The hf backend on a merged copy (04c) records each drawn token's log-prob; an fp32 copy's are the learner's own."
+    import dataclasses
+    from mmrgrpo.sampling import HFBackend
+    from mmrgrpo.models import resolve_model, load_tokenizer, tiny_random_model, add_lora
+    tok = load_tokenizer(resolve_model("smollm2"))
+    c = dataclasses.replace(_config(tmp_path), temperature=0.7)
+    model = add_lora(tiny_random_model(tok, seed=0), c)
+    prompts = ["What is 2 + 3?", "Name a colour."]
+    ro = HFBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    assert ro.sampler_logprobs is not None and ro.sampler_logprobs.shape == ro.completion_mask.shape
+    assert (ro.sampler_logprobs[ro.completion_mask == 0] == 0).all() and (ro.sampler_logprobs[ro.completion_mask == 1] < 0).all()
+    assert torch.allclose(ro.sampler_logprobs, learner_logprobs(model, ro, c), atol=1e-4)
+    bf16 = HFBackend(model, tok, copy_dtype=torch.bfloat16, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    gap = (bf16.sampler_logprobs - learner_logprobs(model, bf16, c)).abs()[bf16.completion_mask.bool()]
+    assert 0 < gap.max() < 0.5                                                   # close, not equal: the mismatch tis_cap corrects
+    assert HFBackend(model, tok).generate(prompts, 3, 6, seed=1).sampler_logprobs is None           # the policy itself: none
+    assert HFBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, greedy=True).sampler_logprobs is None
+    assert HFBackend(model, tok, copy_dtype=torch.float32).generate(prompts, 3, 6, seed=1).sampler_logprobs is None    # not asked
+
+
+def test_a_bf16_copy_run_with_a_cap_weights_and_logs(tmp_path):
+    "tis_cap with the hf backend on a bf16 sampling copy: the trainer records the copy's log-probs and applies the weights."
+    res = train(_config(tmp_path, steps=2, tis_cap=2, sampler_dtype="bfloat16", reward_funcs=["reward_fixtures:varied"],
+                        reward_weights=None), progress=False)
+    assert res.backend.record_logprobs and all("is/ratio_mean" in r and 0.5 < r["is/ratio_mean"] < 2 for r in res.metrics)
 
 
 def test_an_explicit_cap_needs_the_samplers_logprobs_and_auto_does_not(tmp_path):

@@ -2,11 +2,13 @@
 
 Arms (same task, seeds, prompts per step, model and evaluation set; only the acceleration differs):
   grpo          plain GRPO
-  mmr           MMR-GRPO: completions reweighted by diversity before the advantages
+  mmr           MMR with the default rule, the diversity credit (credit moved among above-mean completions only)
+  mmr_ref       MMR-GRPO's own rule: completions reweighted by diversity before the advantages
   cppo          CPPO: the 75% of each group with the smallest |advantage| pruned before the update (allocation off:
                 the same prompts per step; --cppo-allocation samples B/(1-P) prompts instead)
   gmts          GMTS: the update trains on the top 20% of tokens by |gradient| estimate
-  all           MMR + CPPO + GMTS together
+  all           MMR (credit) + CPPO + GMTS together; all_ref the same with the paper's MMR rule
+  cppo_gmts     CPPO + GMTS
   dr_grpo, mmr_dr_grpo   (with --with-dr) DR-GRPO (advantage r - mean, loss_type dr_grpo) without and with MMR
 
 Default setting (sized for about 50 minutes on 2 CPU cores): SmolLM2-135M-Instruct + LoRA, arithmetic level 2 (two-digit
@@ -29,15 +31,18 @@ Running the script again skips finished runs and resumes an interrupted one from
     python bench/time_to_accuracy.py --quick             # every arm, 2 steps, tiny random model: about 2-3 min
     python bench/time_to_accuracy.py --report-only       # rebuild the summary and plots from the finished runs
 """
-import argparse, dataclasses, gc, json, shutil, statistics, sys, time
+import argparse, dataclasses, gc, json, os, shutil, statistics, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
-ARMS = {"grpo": {}, "mmr": {"mmr": True}, "cppo": {"prune_rate": 0.75}, "gmts": {"token_selection": "gmts"},
+ARMS = {"grpo": {}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant": "reference"},
+        "cppo": {"prune_rate": 0.75}, "gmts": {"token_selection": "gmts"},
         "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"},
-        "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"}}      # the two that never revive an all-equal group
+        "all_ref": {"mmr": True, "mmr_variant": "reference", "prune_rate": 0.75, "token_selection": "gmts"},
+        "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"}}
+# "mmr" and "all" use the default MMR rule, the diversity credit; "mmr_ref" and "all_ref" the paper's rule
 DR_ARMS = {"dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
            "mmr_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none", "mmr": True}}
 TARGET = 0.95
@@ -115,6 +120,44 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple:
     return (mid - half, mid + half)
 
 
+def correct_matrix(run: dict) -> tuple:
+    "(evaluated steps after 0, (steps, tasks) 0/1 array) from a run's rows; None where its evaluations have no per-task record."
+    import numpy as np
+    got = {}
+    for r in run.get("rows", []):
+        if r.get("eval/correct") is not None and r["step"] > 0: got.setdefault(r["step"], r["eval/correct"])
+    if not got: return None
+    steps = sorted(got)
+    return steps, np.array([got[s] for s in steps], dtype=float)
+
+
+def paired_vs_grpo(runs: dict, arm: str, seeds: list, n_boot: int = 2000) -> dict | None:
+    "Arm minus GRPO, same seed and same held-out tasks: final and peak accuracy per seed, with a bootstrap over seeds and tasks."
+    import numpy as np
+    pairs = []
+    for s in seeds:
+        a, g = runs.get((arm, s)), runs.get(("grpo", s))
+        ma, mg = (correct_matrix(a) if a else None), (correct_matrix(g) if g else None)
+        if ma and mg and ma[0] == mg[0] and ma[1].shape == mg[1].shape: pairs.append((s, ma[1], mg[1]))
+    if not pairs: return None
+    A, Gm = np.stack([p[1] for p in pairs]), np.stack([p[2] for p in pairs])        # (seeds, evals, tasks)
+    final = lambda X: X[:, -1].mean(-1)                                              # (seeds,)
+    peak = lambda X: X.mean(-1).max(-1)
+    rng = np.random.default_rng(0)
+    k, T = A.shape[0], A.shape[2]
+    boot = {"final": [], "peak": []}
+    for _ in range(n_boot):
+        si, ti = rng.integers(0, k, k), rng.integers(0, T, T)
+        a, g = A[si][:, :, ti], Gm[si][:, :, ti]
+        boot["final"].append((final(a) - final(g)).mean()); boot["peak"].append((peak(a) - peak(g)).mean())
+    out = {"seeds": [p[0] for p in pairs], "n_boot": n_boot}
+    for name, f in (("final", final), ("peak", peak)):
+        d = f(A) - f(Gm)
+        out[f"{name}_diff"], out[f"{name}_diff_per_seed"] = float(d.mean()), [float(x) for x in d]
+        out[f"{name}_diff_ci95"] = [float(np.percentile(boot[name], 2.5)), float(np.percentile(boot[name], 97.5))]
+    return out
+
+
 def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
     "Per-arm peaks, time to 95% of GRPO's peak (seed-mean curve and per seed), step times, and spreads."
     out = {"arms": {}, "target_fraction": TARGET}
@@ -158,6 +201,8 @@ def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
             "median_step_s": statistics.median(v["median_step_s"] for v in per_seed.values()),
             "mean_curve": [dict(zip(("step", "accuracy", "seconds", "acc_min", "acc_max", "acc_std"), p)) for p in mc[a]],
             "per_seed": per_seed}
+    for a, v in out["arms"].items():
+        if a != "grpo": v["paired_vs_grpo"] = paired_vs_grpo(runs, a, seeds)
     gr = out["arms"].get("grpo")
     for a, v in out["arms"].items():
         if gr and v["step_reached"] and gr["step_reached"]:
@@ -187,6 +232,13 @@ def plot(summary: dict, png_dir: Path, tag: str) -> list:
     return paths
 
 
+def _diff(paired: dict | None, name: str) -> str:
+    "'+0.012 (-0.020..+0.043)': the paired mean difference to GRPO and its bootstrap interval."
+    if not paired: return ""
+    lo, hi = paired[f"{name}_diff_ci95"]
+    return f"{paired[f'{name}_diff']:+.3f} ({lo:+.3f}..{hi:+.3f})"
+
+
 def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
     s = summarise(runs, arms, seeds, c0["eval_size"])
     rows = [{"arm": a, "seeds": len(v["seeds"]), "peak": v["peak_mean_curve"], "peak_seed_mean": v["peak_per_seed_mean"],
@@ -194,7 +246,9 @@ def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
              "final_ci95": "{:.3f}-{:.3f}".format(*v["final_ci95"]), "step_95": v["step_reached"],
              "seconds_95": v["seconds_reached"],
              "step_95_per_seed": "/".join(str(x["step_reached"]) for x in v["per_seed"].values()), "step_s": v["median_step_s"], "step_time_vs_grpo": v.get("step_time_ratio_vs_grpo"),
-             "wallclock_vs_grpo": v.get("wallclock_ratio_vs_grpo")} for a, v in s["arms"].items()]
+             "wallclock_vs_grpo": v.get("wallclock_ratio_vs_grpo"),
+             "final_minus_grpo": _diff(v.get("paired_vs_grpo"), "final"), "peak_minus_grpo": _diff(v.get("paired_vs_grpo"), "peak")}
+            for a, v in s["arms"].items()]
     print(f"\nheld-out greedy accuracy on {c0['eval_size']} tasks; base model {base['eval/accuracy']:.3f}; "
           f"target = {TARGET:.0%} of GRPO's peak = {s['target_accuracy'] if s['target_accuracy'] is not None else float('nan'):.3f} "
           f"(binomial s.e. there ~{s['binomial_se_at_target'] or 0:.3f})")
@@ -202,7 +256,7 @@ def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
         print("NOTE: the target is at or below the base model's accuracy, so every arm 'reaches' it at step 0: "
               "GRPO did not improve on the base here, and the time-to-accuracy comparison says nothing.")
     print(bl.table(rows, ["arm", "seeds", "peak", "peak_seed_mean", "peak_seed_std", "final", "final_ci95", "step_95", "seconds_95", "step_95_per_seed",
-                          "step_s", "step_time_vs_grpo", "wallclock_vs_grpo"],
+                          "step_s", "step_time_vs_grpo", "wallclock_vs_grpo", "final_minus_grpo", "peak_minus_grpo"],
                    {"peak": ".3f", "peak_seed_mean": ".3f", "peak_seed_std": ".3f", "final": ".3f", "seconds_95": ".0f",
                     "step_s": ".1f", "step_time_vs_grpo": ".2f", "wallclock_vs_grpo": ".2f"}))
     pngs = plot(s, bl.RESULTS, tag) if s["arms"] else []
@@ -283,7 +337,7 @@ def main(argv=None):
              "cppo_allocation": args.cppo_allocation, "config": dataclasses.asdict(c), "curve": curve,
              "median_step_s": statistics.median(steps_t), "train_s": sum(steps_t), "process_wall_s": time.perf_counter() - t0,
              "eval_s": [r["eval/time"] for r in rows if "eval/time" in r], "rows": rows,
-             "git": bl.git_info(), "date": bl.start_meta()["date"]}
+             "git": bl.git_info(), "date": bl.start_meta()["date"], "loadavg_after": list(os.getloadavg())}
         bl.write_json(path, r)
         runs[(a, s)] = r
         for ck in run_dir.glob("checkpoint-*"): shutil.rmtree(ck, ignore_errors=True)

@@ -82,14 +82,15 @@ class GRPOConfig:
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
-    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', or 'package.module:function', "
+    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine' (length-scaled accuracy, the MMR-GRPO paper's), or 'package.module:function', "
                             "which is imported (its code runs) when the config is checked: a config file is code")
     reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1)")
     reward_timeout: float = _f(2.0, "seconds allowed to verify one completion; slower ones score 0 and are counted")
     on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
     # --- the three accelerations
-    mmr: bool = _f(False, "MMR-GRPO: down-weight near-duplicate completions before computing advantages (shorthand for reweight=mmr)")
+    mmr: bool = _f(False, "MMR-GRPO: credit for diverse completions before the update (shorthand for reweight=mmr)")
     reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' (MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
+    mmr_variant: Literal["credit", "reference"] = _f("credit", "MMR rule: 'credit' (default; moves credit among above-mean completions only, so it never rewards a wrong answer) or 'reference' (the paper's)")
     mmr_lambda: Optional[float] = _f(None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
     mmr_first_pick: Literal["raw", "scaled"] = _f("raw", "the first pick keeps its raw reward ('raw', reference code) or lambda*r")
     mmr_tie_break: Literal["distinct", "index"] = _f("distinct", "equal MMR scores (e.g. a group whose rewards are all equal): the completion least similar to the rest first ('distinct'), or the lowest row ('index', reference code)")
@@ -206,6 +207,8 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
         need(c.reweight in ("none", "mmr"), f"mmr=true and reweight={c.reweight!r} contradict each other: set one of them")
         c.reweight = "mmr"
     c.mmr = c.reweight == "mmr"
+    need(not (c.mmr and c.mmr_variant == "credit" and c.mmr_scope == "batch"), "mmr_scope=batch pools the groups of a step, "
+         "which only the paper's rule does: set mmr_variant=reference (to reproduce the reference code) or mmr_scope=group")
     need(c.mmr_lambda is None or 0 < c.mmr_lambda <= 1, f"mmr_lambda={c.mmr_lambda}: must be in (0, 1], or null for adaptive")
     need(c.max_completion_length >= 1, f"max_completion_length={c.max_completion_length}: use at least 1")
     need(c.max_prompt_length >= 1, f"max_prompt_length={c.max_prompt_length}: use at least 1")

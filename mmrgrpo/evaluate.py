@@ -21,7 +21,7 @@ def evaluate(backend, prompts: list, answers: list,
              temperature: float = 1.0, top_p: float = 1.0,
              batch_size: int = 64,        # completions per generate call
              seed: int = 1234, progress: bool = False) -> dict:
-    "Held-out metrics: `eval/accuracy` (greedy), `eval/format`, `eval/pass@1` (n samples), `eval/completion_length`, `eval/time`."
+    "Held-out metrics: `eval/accuracy` (greedy), `eval/format`, `eval/pass@1` (n samples), `eval/completion_length`, `eval/time`; `eval/correct`: 0/1 per task (greedy)."
     if len(prompts) != len(answers): raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     t0, out = time.perf_counter(), {}
     def run(n, greedy_):
@@ -33,10 +33,11 @@ def evaluate(backend, prompts: list, answers: list,
             acc += accuracy_reward(ro.prompts, ro.completions, ans)
             fmt += format_reward(ro.prompts, ro.completions)
             lens += ro.completion_mask.sum(-1).tolist()
-        return sum(acc) / len(acc), sum(fmt) / len(fmt), sum(lens) / len(lens)
+        return sum(acc) / len(acc), sum(fmt) / len(fmt), sum(lens) / len(lens), acc
     if greedy:
-        out["eval/accuracy"], out["eval/format"], out["eval/completion_length"] = run(1, True)
+        out["eval/accuracy"], out["eval/format"], out["eval/completion_length"], correct = run(1, True)
+        out["eval/correct"] = [int(a) for a in correct]          # which tasks, for paired comparisons of runs
     if n_samples:
-        out["eval/pass@1"], _, _ = run(n_samples, False)
+        out["eval/pass@1"] = run(n_samples, False)[0]
     out["eval/time"] = time.perf_counter() - t0
     return out

@@ -20,6 +20,7 @@ from .advantages import group_advantages, group_view, group_runs, frac_zero_std
 from .logprobs import completion_stats
 from .loss import per_token_loss, loss_weights, aggregate_loss, truncated_is_weights
 from .mmr import mmr_reweight_groups, dra_reweight, share_duplicates, zero_std_groups_revived, embed_completions
+from .diversity import diversity_advantages
 from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
@@ -41,21 +42,26 @@ def rollout_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict:
 
 # %% ../nbs/10b_step.ipynb #12af2134
 def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embedder=None, phases=None) -> tuple:
-    "Advantages (N,) from rewards, reweighted first by similarity (`c.reweight`: MMR or DRA); plus metrics."
-    G, metrics, phases = rollout.group_size, {}, phases or Phases()
-    used = rewards
-    if c.reweight != "none":
-        with phases("mmr"):
-            emb, n_long = embed_completions(rollout.completions, embedder, return_truncated=True)
-            if c.reweight == "mmr":
-                used, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
-                                                 scope=c.mmr_scope, tie_break=c.mmr_tie_break)
-                metrics["mmr/lambda"] = lams.float().mean().item()
-            else: used = dra_reweight(rewards, emb, G)
-            # the same text twice in a group gets one reweighted reward: identical samples cancel whatever runs later
-            used = share_duplicates(used, list(zip(rollout.group_ids.tolist(), rollout.completions)))
-        metrics.update({f"reward_{c.reweight}": used.mean().item(), "mmr/truncated": n_long,
-                        "mmr/zero_std_groups_revived": zero_std_groups_revived(rewards, used, G)})
+    "Advantages (N,) from rewards, with the completions' similarity taken into account when `c.reweight` asks; plus metrics."
+    G, phases = rollout.group_size, phases or Phases()
+    plain = group_advantages(rewards, G, scale=c.scale_rewards_)
+    if c.reweight == "none": return plain, {}
+    same_text = list(zip(rollout.group_ids.tolist(), rollout.completions))
+    with phases("mmr"):
+        emb, n_long = embed_completions(rollout.completions, embedder, return_truncated=True)
+        if c.reweight == "mmr" and c.mmr_variant == "credit":       # the credit: GRPO's advantages, shared among the winners
+            advantages = share_duplicates(diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda), same_text)
+            moved = (advantages - plain).abs().sum() / 2 / plain.clamp(min=0).sum().clamp(min=1e-12)
+            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved.item(), "mmr/zero_std_groups_revived": 0.0}
+        if c.reweight == "mmr":
+            used, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
+                                             scope=c.mmr_scope, tie_break=c.mmr_tie_break)
+        else: used, lams = dra_reweight(rewards, emb, G), None
+        # the same text twice in a group gets one reweighted reward: identical samples cancel whatever runs later
+        used = share_duplicates(used, same_text)
+    metrics = {f"reward_{c.reweight}": used.mean().item(), "mmr/truncated": n_long,
+               "mmr/zero_std_groups_revived": zero_std_groups_revived(rewards, used, G)}
+    if lams is not None: metrics["mmr/lambda"] = lams.float().mean().item()
     return group_advantages(used, G, scale=c.scale_rewards_), metrics
 
 def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int = 0) -> tuple:

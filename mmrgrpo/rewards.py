@@ -13,6 +13,7 @@ __all__ = ['BUILTIN_REWARDS', 'parse_gold', 'extract_boxed', 'reward_counters', 
 import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
+from .safety import call_with_timeout, clip_text as _clip
 
 # %% ../nbs/01_rewards.ipynb #a4909075
 for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
@@ -20,11 +21,6 @@ for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeo
 
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")    # 1,234 or -12,345.5
 _MATH_DELIMITERS = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")   # \boxed, an unescaped $, \( or \[
-
-def _clip(s: str, limit: int = 80) -> str:
-    "`s` on one line, cut to `limit` characters, for an error message."
-    s = s.replace("\n", "\\n")
-    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 def _not_a_gold(gold) -> str | None:
     "Why `gold` cannot be a gold answer at all (None: it is a string or a finite number)."
@@ -274,35 +270,22 @@ def reward_name(func) -> str:
 
 _F32_MAX = 3.4028234663852886e38      # the largest float32: rewards are summed in float64, then used in float32
 
-def _is_builtin(func) -> bool:
-    while isinstance(func, functools.partial): func = func.func
-    return any(func is f for f in BUILTIN_REWARDS.values())
-
 def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
-    "(output, None) or (None, the exception). A built-in runs here (it has its own limits); a user function in a daemon thread, given `timeout` s, where its SystemExit or KeyboardInterrupt is an error like any other."
-    if timeout is None or _is_builtin(func):
-        try: return func(**kwargs), None
-        except Exception as e: return None, e
-    box = {}
-    def call():
-        try: box["out"] = func(**kwargs)
-        except BaseException as e: box["error"] = e
-    worker = threading.Thread(target=call, daemon=True, name="mmrgrpo-reward")
-    worker.start(); worker.join(min(timeout, threading.TIMEOUT_MAX))      # a signal (Ctrl-C) still reaches the main thread here
-    if worker.is_alive(): return None, TimeoutError()
-    return box.get("out"), box.get("error")
+    "(output, None) or (None, the exception). A built-in runs here (it has its own limits); a user function in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
+    inner = func.func if isinstance(func, functools.partial) else func      # the trainer wraps accuracy_reward in a partial
+    if timeout is not None and all(inner is not f for f in BUILTIN_REWARDS.values()): return call_with_timeout(func, kwargs, timeout)
+    try: return func(**kwargs), None
+    except Exception as e: return None, e
 
 def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str, timeout: float = None) -> tuple[list, int]:
     "Call one reward function on copies of its inputs (within `timeout` s per completion) and check its output: its scores (None = not applicable) and how many of them were errors."
     n = len(completions)
     kwargs = copy.deepcopy(dict(prompts=prompts, completions=completions, **columns))    # what it changes, nobody else sees
     out, e = _call_reward(func, kwargs, None if timeout is None else timeout * max(n, 1))
-    if e is not None:
-        if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} took more than {timeout * max(n, 1):g} s for {n} completions "
-                                      f"(reward_timeout={timeout:g} s per completion); it runs on in a background thread"
-                                      if isinstance(e, TimeoutError) and not str(e) else
-                                      f"reward function {name!r} raised {type(e).__name__}: {_clip(str(e), 200)}") from e
+    if e is not None:         # (a late one runs on in a background thread)
+        what = (f"took more than {timeout * max(n, 1):g} s for {n} completions (reward_timeout={timeout:g} s per completion)"
+                if isinstance(e, TimeoutError) and str(e).startswith("still running") else f"raised {type(e).__name__}: {_clip(str(e), 200)}")
+        if on_error == "raise": raise RewardFunctionError(f"reward function {name!r} {what}") from e
         return [0.0] * n, n
     if hasattr(out, "tolist"): out = out.tolist()       # a tensor or an array
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
@@ -350,7 +333,6 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
 
 def _in_float32(total, on_error: str, metrics: dict):
     "The weighted sum in float32, the dtype it is used in: a sum beyond its range is an error, or (on_error='zero') 0 and counted."
-    import torch
     bad = (total.abs() > _F32_MAX).nonzero().flatten().tolist()
     if bad and on_error == "raise":
         raise RewardFunctionError(f"the weighted sum of the rewards at index {bad[0]} is {total[bad[0]].item():g}, beyond float32's "

@@ -12,7 +12,7 @@ import contextlib, json, math, os, sys, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
-from .config import replace_file
+from .safety import replace_file
 
 # %% ../nbs/11a_runlog.ipynb #d328ae7e
 class RSSSampler:

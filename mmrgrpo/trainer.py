@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from .config import GRPOConfig, ConfigError, check_config, prompts_to_sample, replace_file
+from .config import GRPOConfig, ConfigError, check_config, prompts_to_sample
+from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
 from .prompts import format_prompt, default_shots, check_prompt_lengths
 from .rewards import get_reward_funcs, accuracy_reward
@@ -29,7 +30,8 @@ from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info
 from .runlog import Phases, MetricsLogger, read_metrics
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
-                                 where_to_resume, TrainingInterrupted, StopSignals, check_output_dir, rng_state, set_rng_state)
+                                 where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state)
+from .signals import StopSignals
 from .step import score, advantages_for, prune, update, rollout_metrics, check_step_memory
 
 # %% ../nbs/11_trainer.ipynb #4ab8fc3e

@@ -8,17 +8,20 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'RUN_FILES', 'LOCK', 'rng_state', 'set_rng_state',
            'checkpoints', 'write_manifest', 'checkpoint_problem', 'save_checkpoint', 'latest_checkpoint',
            'CheckpointError', 'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'clear_run',
-           'prepare_output_dir', 'output_dir_lock', 'where_to_resume', 'TrainingInterrupted', 'StopSignals']
+           'prepare_output_dir', 'output_dir_lock', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes',
+           'save_failed', 'refuse_link', 'check_output_dir', 'check_resume_into', 'where_to_resume',
+           'TrainingInterrupted']
 
 # %% ../nbs/11c_checkpoints.ipynb #9dd9620a
-import contextlib, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys, threading
+import contextlib, errno, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys
 from dataclasses import asdict
 from pathlib import Path
 import numpy as np
 import torch
 import yaml
 from .config import GRPOConfig, ConfigError, save_config
-from .distributed import all_reduce_sum, dist_info, is_sharded, full_state_dicts, load_full_state_dicts
+from .safety import replace_file
+from .distributed import dist_info, is_sharded, full_state_dicts, load_full_state_dicts
 
 # %% ../nbs/11c_checkpoints.ipynb #8e00d2f7
 def _fsync_tree(d: Path):
@@ -64,7 +67,7 @@ def write_manifest(d: Path):
     "Record the size and SHA-256 of every file in folder `d` in `d/manifest.json`."
     files = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(d.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    (d / MANIFEST).write_text(json.dumps(files, indent=1))
+    replace_file(d / MANIFEST, json.dumps(files, indent=1))
 
 def checkpoint_problem(d) -> str:
     "What is wrong with checkpoint folder `d` (a file missing, cut short or altered), or None when every file matches its manifest."
@@ -80,33 +83,32 @@ def checkpoint_problem(d) -> str:
         if _sha256(p) != digest: return f"{name} does not match its SHA-256 in {MANIFEST} (altered or corrupted)"
     return None
 
-def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOConfig, state: dict, keep: int = 2) -> Path:
-    "Write checkpoint-<step> with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep`. Returns its path. A sharded (FSDP2) model: every process calls it, the weights and optimizer state are gathered whole and rank 0 writes them."
+def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOConfig, state: dict, keep: int = 2,
+                    final: bool = False) -> Path:
+    "Write checkpoint-<step> with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep`. Returns its path; a failed write warns and returns None, or (`final`) raises `CheckpointSaveError`. A sharded (FSDP2) model: every process calls it, the weights and optimizer state are gathered whole and rank 0 writes them."
     gathered = full_state_dicts(model, optimizer) if is_sharded(model) else None      # a collective
     if gathered is not None and dist_info()[0] != 0: return None
     weights, optim = gathered or ({}, optimizer.state_dict())
-    out = Path(out); final = out / f"checkpoint-{step}"
+    out = Path(out); dest = out / f"checkpoint-{step}"
     tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
+    if tmp.is_symlink(): tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"), **({"state_dict": weights} if gathered else {}))
         torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "training.pt")
         save_config(c, tmp / "config.yaml")
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))    # a resumed run's state holds the old step
         write_manifest(tmp)
         _fsync_tree(tmp)
-        if final.exists(): shutil.rmtree(final)
-        os.rename(tmp, final)
+        if dest.is_symlink(): dest.unlink()
+        elif dest.exists(): shutil.rmtree(dest)
+        os.rename(tmp, dest)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        prev = latest_checkpoint(out)
-        print(f"WARNING: writing checkpoint-{step} failed ({type(e).__name__}: {e}); "
-              f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'there is no earlier checkpoint'}",
-              file=sys.stderr)
-        return None
+        return save_failed(e, out, step, model, optimizer, final)
     for old in checkpoints(out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
-    return final
+    return dest
 
 def latest_checkpoint(out, verify: bool = False) -> Path:
     "The newest complete checkpoint in `out` (None if none). `verify`: the newest whose files match their manifest, saying which were skipped and why."
@@ -186,11 +188,12 @@ def clear_run(out):
     "Remove a run's files from `out`: checkpoints (half-written ones too), metrics, config, plots, summaries, TensorBoard logs."
     out = Path(out)
     for p in checkpoints(out) + list(out.glob(".tmp-checkpoint-*")) + [out / n for n in RUN_FILES]:
-        if p.is_dir(): shutil.rmtree(p)
-        elif p.exists(): p.unlink()
+        if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
+        elif p.is_symlink() or p.exists(): p.unlink()
 
 def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
     "Ready `out` for run `c`; returns the checkpoint to resume from (None: a fresh run). A fresh run refuses a folder holding a run unless `overwrite` (which clears it first)."
+    if c.resume_from and c.resume_from != "latest": check_resume_into(out, Path(c.resume_from))
     ck = resume_checkpoint(out, c) if c.resume_from else None
     if not c.resume_from and (old := run_in(out)):
         if not c.overwrite:
@@ -210,7 +213,12 @@ def _take_lock(path: Path):
     "A file descriptor holding an exclusive flock on `path` (None on a file system without locks); a ConfigError naming the holder if another process has it."
     import fcntl
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try: fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP: raise
+            raise ConfigError(f"{path} is a symbolic link: {refuse_link(path.name)}") from None
+        if os.fstat(fd).st_nlink > 1:
+            os.close(fd); raise ConfigError(f"{path} is a hard link to another file: {refuse_link(path.name)}")
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"; os.close(fd)
@@ -235,45 +243,78 @@ def output_dir_lock(out: Path, enabled: bool = True):
             with contextlib.suppress(OSError): os.unlink(path)
             os.close(fd)
 
+# %% ../nbs/11c_checkpoints.ipynb #580d3784
+class CheckpointSaveError(OSError):
+    "The final checkpoint could not be written: the trained weights are not on disk. The message says why and what to do."
+
+def free_bytes(path) -> int:
+    "Free space on the file system holding `path`."
+    return shutil.disk_usage(path).free
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 10_000 else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+def checkpoint_bytes(out: Path, model, optimizer) -> int:
+    "About how much a checkpoint takes: the newest one's size, else the saved weights (the adapter, or all) plus the optimizer state."
+    if prev := latest_checkpoint(out): return sum(p.stat().st_size for p in prev.rglob("*") if p.is_file())
+    weights = [p for p in model.parameters() if p.requires_grad or not hasattr(model, "peft_config")]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in weights + state)
+
+def save_failed(e: Exception, out: Path, step: int, model, optimizer, final: bool):
+    "Report a failed checkpoint write: a full disk (ENOSPC, or torch's `unexpected pos` with too little space left) with the space needed; warn and return None, or raise for the final one."
+    need, free, prev = checkpoint_bytes(out, model, optimizer), free_bytes(out), latest_checkpoint(out)
+    full = getattr(e, "errno", None) == errno.ENOSPC or free < need
+    why = (f"the disk is full: checkpoint-{step} needs about {_size(need)} and {out} has {_size(free)} free" if full
+           else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if final:
+        fix = "free space on that disk (or move output_dir to a larger one)" if full else "fix that"
+        raise CheckpointSaveError(f"the final checkpoint checkpoint-{step} was not written: {why}; the trained weights are lost: "
+                                  f"{fix}, then resume_from=latest continues from {prev.name if prev else 'the start'}") from e
+    print(f"WARNING: writing checkpoint-{step} failed ({type(e).__name__}: {e}); "
+          f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'there is no earlier checkpoint'}"
+          + (f"; {why}" if full else ""), file=sys.stderr)
+    return None
+
+# %% ../nbs/11c_checkpoints.ipynb #95986dc1
+def refuse_link(name: str) -> str:
+    "The end of the message refusing a link where the run writes `name`."
+    return f"a run writes {name} itself and never through a link (it could point anywhere): remove the link, or choose another output_dir"
+
+def _inside_checkpoint(out: Path):
+    "The checkpoint folder that `out` is, or is inside (None: neither)."
+    for d in [out, *out.parents]:
+        if CHECKPOINT_NAME.fullmatch(d.name) and ((d / MANIFEST).exists() or (d / "trainer_state.json").exists()): return d
+    return None
+
+def check_output_dir(out: Path):
+    "Refuse, in one line, an `output_dir` that cannot hold a run: a file, inside a checkpoint, not creatable, or holding links where the run writes."
+    out = Path(os.path.abspath(out))
+    if out.exists() and not out.is_dir(): raise ConfigError(f"output_dir={str(out)!r} is a file: name a folder")
+    if ck := _inside_checkpoint(out):
+        raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; choose a folder "
+                          "outside every checkpoint-<step> folder")
+    try: out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir={str(out)!r} cannot be created ({e.strerror}: {e.filename}): choose another output_dir") from None
+    if not os.access(out, os.W_OK | os.X_OK): raise ConfigError(f"output_dir={str(out)!r} is not writable: choose another output_dir")
+    written = [out / n for n in (*RUN_FILES, LOCK)] + list(out.glob("checkpoint-*")) + list(out.glob(".tmp-checkpoint-*"))
+    if links := [p for p in written if p.is_symlink()]: raise ConfigError(f"{links[0]} is a symbolic link: {refuse_link(links[0].name)}")
+
+def check_resume_into(out: Path, ck: Path):
+    "Resuming another run's checkpoint `ck` into `out` is allowed only where `out` holds no run, or `ck` is one of its own."
+    owner = ck.parent
+    if owner.resolve() != Path(out).resolve() and (old := run_in(out)):
+        raise ConfigError(f"resume_from={str(ck)!r} is a checkpoint of the run in {owner}, and output_dir={str(out)!r} holds another "
+                          f"run ({', '.join(p.name for p in old)}): resume into {owner} (output_dir={str(owner)!r}) or into an "
+                          "empty output_dir")
+
 # %% ../nbs/11c_checkpoints.ipynb #01c74c6e
 def where_to_resume(ck) -> str:
     "The end of an interruption message: the checkpoint the run continues from."
     return f"the last checkpoint is {ck} (resume_from=latest continues from it)" if ck else "there is no checkpoint yet"
 
 class TrainingInterrupted(KeyboardInterrupt):
-    "A run stopped by SIGINT or SIGTERM (a KeyboardInterrupt, so `except Exception` does not swallow it); `exit_code` is 128 + the signal."
+    "A run stopped by SIGINT, SIGTERM or SIGHUP (a KeyboardInterrupt, so `except Exception` does not swallow it); `exit_code` is 128 + the signal."
     def __init__(self, msg: str, signum: int = signal.SIGINT):
         super().__init__(msg); self.signum, self.exit_code = int(signum), 128 + int(signum)
-
-class StopSignals:
-    "SIGINT/SIGTERM handlers for a run (main thread only; the previous ones come back on exit). While `defer` is on (steps are running) a first signal only sets `signum`, so the step ends and is saved; otherwise, or at a second signal, `TrainingInterrupted` is raised at once."
-    def __init__(self, out: Path): self.out, self.signum, self.defer, self.old = Path(out), None, False, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items(): signal.signal(s, h)
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.defer and self.signum is None:
-            self.signum = signum
-            os.write(2, f"\n{name}: finishing this step, then saving a checkpoint ({name} again stops at once)\n".encode())
-            return
-        what = " again: abandoned the step in progress" if self.defer else ": stopped"
-        raise TrainingInterrupted(f"{name}{what}; {where_to_resume(latest_checkpoint(self.out))}", signum)
-
-    def requested(self) -> bool:
-        "Whether a signal asked any process of the run to stop (a collective call in a multi-process run)."
-        if all_reduce_sum(float(self.signum is not None)) and self.signum is None: self.signum = signal.SIGTERM
-        return self.signum is not None
-
-    def stopped_after(self, step: int) -> TrainingInterrupted:
-        "The exception that ends the run after `step`, raised once rank 0 has saved."
-        all_reduce_sum(0.0)                                  # the other processes wait for rank 0's checkpoint
-        ck = latest_checkpoint(self.out)
-        saved = f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}" else where_to_resume(ck)
-        return TrainingInterrupted(f"{signal.Signals(self.signum).name}: stopped after step {step}; {saved}", self.signum)

@@ -206,7 +206,11 @@ def add_lora(model, c: GRPOConfig):
                                                 target_modules=targets, task_type="CAUSAL_LM"))
 
 def check_context(c: GRPOConfig, model_config):
-    "A prompt plus completion must fit the model's context window."
+    "A prompt plus completion must fit the model's context window, and a LoRA rank its width."
+    width = getattr(model_config, "hidden_size", None)
+    if c.lora and width and c.lora_r > width:
+        raise ConfigError(f"lora_r={c.lora_r} is more than the model's hidden size ({width}): a rank above it adds parameters "
+                          f"and nothing else; use at most {width}")
     ctx = getattr(model_config, "max_position_embeddings", None)
     if ctx and c.max_prompt_length + c.max_completion_length > ctx:
         raise ConfigError(f"max_prompt_length + max_completion_length = {c.max_prompt_length + c.max_completion_length} "

@@ -10,9 +10,10 @@ __all__ = ['BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'parse_gold', 'extract_boxed',
            'reward_name', 'compute_rewards', 'get_reward_funcs']
 
 # %% ../nbs/01_rewards.ipynb #25eede42
-import atexit, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
+import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
+from .safety import call_with_timeout, clip_text as _clip
 
 # %% ../nbs/01_rewards.ipynb #a4909075
 for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
@@ -20,11 +21,6 @@ for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeo
 
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")    # 1,234 or -12,345.5
 _MATH_DELIMITERS = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")   # \boxed, an unescaped $, \( or \[
-
-def _clip(s: str, limit: int = 80) -> str:
-    "`s` on one line, cut to `limit` characters, for an error message."
-    s = s.replace("\n", "\\n")
-    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 def _not_a_gold(gold) -> str | None:
     "Why `gold` cannot be a gold answer at all (None: it is a string or a finite number)."
@@ -286,13 +282,24 @@ def reward_name(func) -> str:
     while isinstance(func, functools.partial): func = func.func
     return getattr(func, "__name__", type(func).__name__)
 
-def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str) -> tuple[list, int]:
-    "Call one reward function and check its output: its scores (None = not applicable) and how many of them were errors."
+_F32_MAX = 3.4028234663852886e38      # the largest float32: rewards are summed in float64, then used in float32
+
+def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
+    "(output, None) or (None, the exception). A built-in runs here (it has its own limits); a user function in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
+    inner = func.func if isinstance(func, functools.partial) else func      # the trainer wraps accuracy_reward in a partial
+    if timeout is not None and all(inner is not f for f in BUILTIN_REWARDS.values()): return call_with_timeout(func, kwargs, timeout)
+    try: return func(**kwargs), None
+    except Exception as e: return None, e
+
+def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str, timeout: float = None) -> tuple[list, int]:
+    "Call one reward function on copies of its inputs (within `timeout` s per completion) and check its output: its scores (None = not applicable) and how many of them were errors."
     n = len(completions)
-    try: out = func(prompts=prompts, completions=completions, **columns)
-    except Exception as e:
-        if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {_clip(str(e), 200)}") from e
+    kwargs = copy.deepcopy(dict(prompts=prompts, completions=completions, **columns))    # what it changes, nobody else sees
+    out, e = _call_reward(func, kwargs, None if timeout is None else timeout * max(n, 1))
+    if e is not None:         # (a late one runs on in a background thread)
+        what = (f"took more than {timeout * max(n, 1):g} s for {n} completions (reward_timeout={timeout:g} s per completion)"
+                if isinstance(e, TimeoutError) and str(e).startswith("still running") else f"raised {type(e).__name__}: {_clip(str(e), 200)}")
+        if on_error == "raise": raise RewardFunctionError(f"reward function {name!r} {what}") from e
         return [0.0] * n, n
     if hasattr(out, "tolist"): out = out.tolist()       # a tensor or an array
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
@@ -303,20 +310,20 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
         return [0.0] * n, n
     scores, errors = [], 0
     for i, x in enumerate(out):
-        if x is None or (isinstance(x, numbers.Real) and math.isfinite(x)):
+        if x is None or (isinstance(x, numbers.Real) and math.isfinite(x) and abs(x) <= _F32_MAX):
             scores.append(None if x is None else float(x))
             continue
         if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} returned {_clip(repr(x))} at index {i}: "
-                                      "a reward must be a finite number, or None when it does not apply")
+            raise RewardFunctionError(f"reward function {name!r} returned {_clip(repr(x))} at index {i}: a reward must be a finite "
+                                      "number within float32's range (|r| <= 3.4e38), or None when it does not apply")
         scores.append(0.0)
         errors += 1
     return scores, errors
 
 # %% ../nbs/01_rewards.ipynb #e9704f66
 def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list, columns: dict[str, list],
-                    on_error: str = "raise") -> tuple["torch.Tensor", dict]:
-    "The weighted sum of the reward functions' scores, `(N,)` float32, and their metrics `rewards/<name>...`."
+                    on_error: str = "raise", timeout: float = None) -> tuple["torch.Tensor", dict]:
+    "The weighted sum of the reward functions' scores, `(N,)` float32, and their metrics `rewards/<name>...`. Each function gets copies of the inputs and (`timeout`, s per completion) a time limit."
     import torch   # here, not at the top: the verifier processes import this module and need no torch
     if on_error not in ("raise", "zero"): raise ValueError(f"on_error={on_error!r}: use 'raise' or 'zero'")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
@@ -327,7 +334,7 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
     before, n = reward_counters(), len(completions)
     total, metrics = torch.zeros(n, dtype=torch.float64), {}
     for func, weight, name in zip(funcs, weights, names):
-        scores, errors = _reward_column(func, name, prompts, completions, columns, on_error)
+        scores, errors = _reward_column(func, name, prompts, completions, columns, on_error, timeout)
         r = torch.tensor([0.0 if s is None else s for s in scores], dtype=torch.float64)   # (N,)
         total += weight * r
         metrics[f"rewards/{name}"] = r.mean().item() if n else 0.0
@@ -336,7 +343,16 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
         metrics[f"rewards/{name}_errors"] = errors
     after = reward_counters()
     metrics.update({f"rewards/{k}": after[k] - before[k] for k in after})
-    return total.float(), metrics
+    return _in_float32(total, on_error, metrics), metrics
+
+def _in_float32(total, on_error: str, metrics: dict):
+    "The weighted sum in float32, the dtype it is used in: a sum beyond its range is an error, or (on_error='zero') 0 and counted."
+    bad = (total.abs() > _F32_MAX).nonzero().flatten().tolist()
+    if bad and on_error == "raise":
+        raise RewardFunctionError(f"the weighted sum of the rewards at index {bad[0]} is {total[bad[0]].item():g}, beyond float32's "
+                                  "range (|r| <= 3.4e38): lower reward_weights or the rewards' scale")
+    metrics["rewards/overflow"] = len(bad)
+    return total.masked_fill(total.abs() > _F32_MAX, 0.0).float()
 
 # %% ../nbs/01_rewards.ipynb #5ddb7efb
 BUILTIN_REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "cosine": cosine_reward}

@@ -12,6 +12,7 @@ import contextlib, json, math, os, sys, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
+from .safety import replace_file
 
 # %% ../nbs/11a_runlog.ipynb #d328ae7e
 class RSSSampler:
@@ -87,15 +88,6 @@ def _finite_or_none(v):
     if isinstance(v, dict): return {k: _finite_or_none(x) for k, x in v.items()}
     return v
 
-def _replace_file(path: Path, text: str):
-    "Write `text` to `path` through a temporary file and a rename: a crash or a full disk leaves the old file or the new one."
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f: f.write(text); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True); raise
-
 class MetricsLogger:
     "metrics.jsonl always (one strict-JSON object per line, flushed; NaN/inf as null), plus TensorBoard / trackio / wandb when asked."
     def __init__(self, out: Path, backends=("jsonl",), config: dict = None, resume_step: int = None, enabled: bool = True):
@@ -104,9 +96,9 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():    # drop lines logged after the checkpoint we resume from
             keep = [l for l in self.path.read_text(errors="replace").splitlines() if _step_of(l) <= resume_step]
-            _replace_file(self.path, "".join(l + "\n" for l in keep))
+            replace_file(self.path, "".join(l + "\n" for l in keep))     # a crash or a full disk leaves the old file or the new
         elif resume_step is None and self.path.exists(): self.path.unlink()
-        self.f = open(self.path, "a")
+        self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")   # never through a link
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             self.sinks["tensorboard"] = SummaryWriter(str(Path(out) / "tensorboard"))

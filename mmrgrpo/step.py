@@ -6,16 +6,17 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune',
-           'micro_batches', 'splits_groups', 'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'prompt_groups',
-           'policy_stats', 'batch_logprobs', 'choose_tokens', 'update']
+           'micro_batches', 'splits_groups', 'machine_memory', 'estimate_step_memory', 'check_step_memory',
+           'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'prompt_groups', 'policy_stats', 'batch_logprobs',
+           'choose_tokens', 'update']
 
 # %% ../nbs/10b_step.ipynb #3ef80582
-import math, weakref
+import math, sys, weakref
 import torch
-from .config import GRPOConfig
+from .config import GRPOConfig, ConfigError, prompts_to_sample
 from .rewards import compute_rewards
 from .models import reference_context, autocast, choose_dtype
-from .sampling import Rollout
+from .sampling import Rollout, StepAbandoned
 from .advantages import group_advantages, group_view, group_runs, frac_zero_std
 from .logprobs import completion_stats
 from .loss import per_token_loss, loss_weights, aggregate_loss, truncated_is_weights
@@ -31,7 +32,8 @@ def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple
     "Weighted rewards (N,) and metrics for a rollout whose groups come from `records`."
     G = rollout.group_size
     columns = {k: [r.get(k) for r in records for _ in range(G)] for k in records[0] if k != "question"}
-    return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns, on_error=c.on_reward_error)
+    return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns, on_error=c.on_reward_error,
+                           timeout=c.reward_timeout)
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict:
     "TRL's numbers about a step's completions: mean reward and its spread in groups, zero-spread groups, length, truncation."
@@ -94,6 +96,59 @@ def splits_groups(group_ids: torch.Tensor, slices: list) -> bool:
     "True when some group's rows fall into two micro-batches (token selection then scores in a pass of its own)."
     return any(bool(group_ids[s.start - 1] == group_ids[s.start]) for s in slices[1:])
 
+# %% ../nbs/10b_step.ipynb #d4e06705
+def machine_memory(device) -> tuple:
+    "(total, available) bytes where a step runs: the GPU's on CUDA, else RAM (Linux /proc/meminfo, capped by a cgroup limit); (None, None) unknown."
+    if torch.device(device).type == "cuda": free, total = torch.cuda.mem_get_info(device); return total, free
+    try:
+        info = {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in open("/proc/meminfo") if ":" in l)}
+        total, available = info["MemTotal"], info["MemAvailable"]
+    except (OSError, KeyError, ValueError): return None, None
+    try: limit = int(open("/sys/fs/cgroup/memory.max").read())
+    except (OSError, ValueError): limit = total             # 'max', or no cgroup v2
+    return min(total, limit), min(available, limit)
+
+def _bytes(tensors) -> int: return sum(t.numel() * t.element_size() for t in tensors)
+
+def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=()) -> dict:
+    "A step's memory in bytes by part (the formula above), from the model's shape and `c`; `copies`: other models the run holds."
+    cfg, params = model.config, list(model.parameters())
+    h, L, V, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.num_attention_heads
+    kv, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or h // heads
+    a = 2 if choose_dtype(params[0].device.type, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
+    G, T, S = c.num_generations, c.max_completion_length, c.max_prompt_length + c.max_completion_length
+    rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
+    group_ids = torch.arange(rows // G).repeat_interleave(G)
+    mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, params[0].device.type))
+    kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
+    parts = {"weights": _bytes(params) + sum(_bytes(m.parameters()) for m in copies if m is not None),
+             "optimizer": 12 * sum(p.numel() for p in params if p.requires_grad),
+             "kv_cache": rows * S * kv_row, "sampling_logits": rows * V * 8,
+             "activations": mb * S * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
+             "update_logits": mb * min(T, c.logp_chunk_size) * V * 12}
+    parts["total"] = parts["weights"] + parts["optimizer"] + max(parts["kv_cache"] + parts["sampling_logits"],
+                                                                 parts["activations"] + parts["update_logits"])
+    parts["certain"] = parts["weights"] + parts["optimizer"] + rows * T * kv_row
+    return {**parts, "rows": rows, "micro_batch_rows": mb, "bytes_per_activation": a}
+
+def _gib(n: int) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True) -> dict:
+    "Refuse a step that cannot fit in this machine's memory (`ConfigError`), warn about one that may not; return the estimate."
+    est = estimate_step_memory(model, c, world, copies)
+    total, available = machine_memory(next(model.parameters()).device)
+    if total is None: return est
+    shape = f"{est['rows']} completions of {c.max_completion_length} tokens per process"
+    if est["certain"] > total:
+        raise ConfigError(f"a step needs at least {_gib(est['certain'])} (weights, optimizer state and the KV cache of {shape}) and "
+                          f"this machine has {_gib(total)}: lower num_generations, prompts_per_step or max_completion_length")
+    if warn and est["total"] > available:
+        big = ", ".join(f"{k} {_gib(est[k])}" for k in ("weights", "optimizer", "kv_cache", "activations", "update_logits"))
+        print(f"WARNING: a step may need about {_gib(est['total'])} ({big}; {shape}, {est['micro_batch_rows']} per micro-batch) and "
+              f"{_gib(available)} is available: lower micro_batch_size, max_completion_length or num_generations, or turn on "
+              "gradient_checkpointing", file=sys.stderr)
+    return est
+
 # %% ../nbs/10b_step.ipynb #6d1f3a8e
 def importance_cap(c: GRPOConfig, rollout: Rollout) -> float:
     "The cap C of the sampler correction for `rollout` (0: off): `c.tis_cap_` when the rollout has the sampler's log-probs."
@@ -150,8 +205,8 @@ def choose_tokens(c: GRPOConfig, stats: tuple, logp_old, logp_ref, advantages, m
                          inverse=c.token_selection_inverse)
 
 def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, ref_model=None, phases=None,
-           counter=None) -> dict:
-    "Reference pass, old-log-prob pass, then per iteration: (token scoring,) forward, loss and backward per micro-batch, one optimizer step."
+           counter=None, should_stop=None) -> dict:
+    "Reference pass, old-log-prob pass, then per iteration: (token scoring,) forward, loss and backward per micro-batch, one optimizer step. `should_stop()` true between micro-batches: `StepAbandoned`, before any optimizer step."
     phases, counter = phases or Phases(), counter if counter is not None else {}
     mask, N = rollout.completion_mask, len(rollout.completions)
     group_ids = rollout.group_ids.to(mask.device)
@@ -187,6 +242,7 @@ def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPO
                 token_keep = choose_tokens(c, stats, logp_old, logp_ref, advantages, mask, group_ids)
         loss_sum = 0.0
         for rows in slices:
+            if should_stop is not None and should_stop(): raise StepAbandoned("the update stopped between micro-batches")
             with phases("update"):
                 logp, entropy, log_sumsq = policy_stats(model, rollout, c, rows, with_sumsq and not score_first)
             forwarded(logp.shape[0])
@@ -220,6 +276,7 @@ def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPO
                 for p in ([] if is_sharded(model) else params):     # FSDP2 summed the gradient shards in the backward pass
                     if p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
             if is_sharded(model): params = [p for p in model.parameters() if p.requires_grad]    # the shards, after the backward
+            if should_stop is not None and should_stop(): raise StepAbandoned("the update stopped before the optimizer step")
             if scaler is not None: scaler.unscale_(optimizer)       # the summed gradients, back to their true size before clipping
             grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
             if math.isfinite(loss_sum) and torch.isfinite(grad_norm): optimizer.step() if scaler is None else scaler.step(optimizer)

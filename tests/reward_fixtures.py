@@ -21,3 +21,30 @@ def wrong_length(prompts, completions, **kwargs):
 def nan_at_2(prompts, completions, **kwargs):
     "1.0 everywhere except a NaN for the completion at index 2."
     return [math.nan if i == 2 else 1.0 for i in range(len(completions))]
+
+
+def sleeps(prompts, completions, **kwargs):
+    "A reward function that hangs (30 s): the time limit must cut it off."
+    import time
+    time.sleep(30)
+    return [0.0] * len(completions)
+
+
+def exits(prompts, completions, **kwargs):
+    "A reward function that ends the interpreter (a stray `sys.exit(0)` in a helper)."
+    raise SystemExit(0)
+
+
+def mutates(prompts, completions, **kwargs):
+    "A reward function that changes what it was given: later functions, MMR and the completions table must not see it."
+    completions[:] = ["changed"] * len(completions)
+    for v in kwargs.values():
+        if isinstance(v, list): v.clear()
+    return [0.0] * len(prompts)
+
+
+def sends_sigint(prompts, completions, **kwargs):
+    "The user's Ctrl-C arrives while the reward functions run (sent here, so it comes at that moment)."
+    import os, signal
+    os.kill(os.getpid(), signal.SIGINT)
+    return varied(prompts, completions)

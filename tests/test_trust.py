@@ -20,7 +20,7 @@ from mmrgrpo.trainer import train
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
-from test_runs import BASE, args, cfg, child_env, names, steps_logged
+from test_runs import BASE, SELF_TERM, args, cfg, child_env, names, steps_logged
 
 
 def err_lines(capsys) -> list:
@@ -104,18 +104,7 @@ def test_resume_from_another_runs_checkpoint_into_a_used_folder_is_refused(tmp_p
 
 # --- 4: SIGHUP is SIGTERM; a step that runs past the grace period after a signal is abandoned, and the last one saved
 
-SELF_HUP = """
-import os, signal, sys
-from mmrgrpo.cli import main
-from mmrgrpo.sampling import HFBackend
-real, calls = HFBackend.generate, []
-def generate(self, *a, **k):
-    calls.append(1)
-    if len(calls) == 2: os.kill(os.getpid(), signal.SIGHUP)      # the terminal went away, in the middle of step 2
-    return real(self, *a, **k)
-HFBackend.generate = generate
-sys.exit(main(sys.argv[1:]))
-"""
+SELF_HUP = SELF_TERM.replace("signal.SIGTERM", "signal.SIGHUP")     # the terminal went away, in the middle of step 2
 
 
 def test_sighup_saves_a_checkpoint_like_sigterm(tmp_path):

@@ -53,8 +53,9 @@ def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embed
         emb, n_long = embed_completions(rollout.completions, embedder, return_truncated=True)
         if c.reweight == "mmr" and c.mmr_variant == "credit":       # the credit: GRPO's advantages, shared among the winners
             advantages = share_duplicates(diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda), same_text)
-            moved = (advantages - plain).abs().sum() / 2 / plain.clamp(min=0).sum().clamp(min=1e-12)
-            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved.item(), "mmr/zero_std_groups_revived": 0.0}
+            push = plain.clamp(min=0).sum().item()                   # 0 when every group is flat: nothing to move
+            moved = (advantages - plain).abs().sum().item() / 2 / push if push > 1e-3 else 0.0
+            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved, "mmr/zero_std_groups_revived": 0.0}
         if c.reweight == "mmr":
             used, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
                                              scope=c.mmr_scope, tie_break=c.mmr_tie_break)

@@ -182,3 +182,16 @@ def test_cosine_reward_matches_the_formula():
     want = lambda ok, n: (0.5 if ok else -0.5) + 0.25 * (1 + math.cos(math.pi * min(n / 1000, 1)))
     assert got == pytest.approx([want(1, 9), want(0, 9), want(1, 999), 0.5])
     assert cosine_reward(["q"], ["\\boxed{8}"], ["7"], wrong=(-1.0, -0.5), max_len=9) == pytest.approx([-1.0])
+
+
+def test_credit_moved_is_zero_when_every_group_is_flat():
+    "All-equal groups (rewards whose float mean is not exact, e.g. 0.2) leave nothing to move: the metric is 0, not 0/0."
+    from mmrgrpo.step import advantages_for
+    from mmrgrpo.sampling import Rollout
+    ids = torch.ones(4, 1, dtype=torch.long)
+    ro = Rollout(["p"] * 4, ["a", "b", "c", "d"], ids, ids, ids, ids, 4)
+    class Embedder:
+        tokenizer = None
+        def encode(self, texts, **kw): return torch.eye(4)[: len(texts)]
+    adv, m = advantages_for(torch.full((4,), 0.2), ro, load_config(mmr=True), embedder=Embedder())
+    assert torch.equal(adv, torch.zeros(4)) and m["mmr/credit_moved"] == 0.0

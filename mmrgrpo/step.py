@@ -21,7 +21,7 @@ from .advantages import group_advantages, group_view, group_runs, frac_zero_std
 from .logprobs import completion_stats
 from .loss import per_token_loss, loss_weights, aggregate_loss, truncated_is_weights
 from .mmr import mmr_reweight_groups, dra_reweight, share_duplicates, zero_std_groups_revived, embed_completions
-from .diversity import diversity_advantages
+from .diversity import diversity_advantages, credit_beta
 from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
@@ -55,7 +55,8 @@ def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embed
             advantages = share_duplicates(diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda), same_text)
             push = plain.clamp(min=0).sum().item()                   # 0 when every group is flat: nothing to move
             moved = (advantages - plain).abs().sum().item() / 2 / push if push > 1e-3 else 0.0
-            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved, "mmr/zero_std_groups_revived": 0.0}
+            lam = 1 - credit_beta(group_view(rewards, G), c.mmr_lambda).mean().item()      # the paper's λ; β = 1 - λ
+            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved, "mmr/zero_std_groups_revived": 0.0, "mmr/lambda": lam}
         if c.reweight == "mmr":
             used, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
                                              scope=c.mmr_scope, tie_break=c.mmr_tie_break)

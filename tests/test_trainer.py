@@ -10,7 +10,7 @@ from mmrgrpo.sampling import Rollout
 TRL_NAMES = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "kl", "clip_ratio", "entropy",
              "rewards/accuracy_reward", "rewards/format_reward", "loss", "grad_norm", "learning_rate",
              "time/generate", "time/reward", "time/update", "time/step"]
-METHOD_NAMES = ["mmr/lambda", "mmr/zero_std_groups_revived", "reward_mmr", "prune/kept_fraction", "tokens/kept_fraction",
+METHOD_NAMES = ["mmr/lambda", "mmr/zero_std_groups_revived", "mmr/credit_moved", "prune/kept_fraction", "tokens/kept_fraction",
                 "time/mmr", "time/select"]
 
 

@@ -66,7 +66,7 @@ class GRPOConfig:
     generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers generate) or 'vllm' (GPU, optional extra)")
     sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f("auto", "hf backend: sample from a copy of the policy with the LoRA adapter folded in, in this dtype, refreshed after each update (04c); 'auto': on a CPU, bf16 where it is fast (avx512_bf16/amx_bf16), else float32, and on a GPU, a 4-bit base or FSDP the policy itself; 'policy': always the policy itself")
     vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory the colocated vLLM engine may take")
-    vllm_sleep: bool = _f(True, "put the vLLM engine to sleep during the update to free its memory")
+    vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update to free its GPU memory; null: on with a CUDA GPU, off on a CPU (sleep mode is CUDA-only: true there is an error)")
     # --- optimisation and loss
     learning_rate: float = _f(1e-4, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -242,6 +242,9 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(not (c.load_in_4bit and not c.lora), "load_in_4bit=true (QLoRA) needs lora=true: 4-bit base weights cannot be trained directly")
     need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with load_in_4bit=true: "
          "a 4-bit base cannot be copied with its adapter folded in; use sampler_dtype=auto or policy")
+    need(not (world_size > 1 and (c.sharding == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"))
+                and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with FSDP2 sharding: a merged "
+         "sampling copy needs the whole weights and each process holds a shard; use sampler_dtype=auto or policy")
     bad = set(c.log_with) - {"jsonl", "tensorboard", "trackio", "wandb"}
     need(not bad, f"log_with has unknown sinks {sorted(bad)}: use jsonl, tensorboard, trackio, wandb")
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")

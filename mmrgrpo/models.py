@@ -7,9 +7,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 # %% auto #0
 __all__ = ['EMBEDDED_GGUF', 'FAST_BF16_CPU_FLAGS', 'cache_dir', 'embedded_gguf', 'gguf_architecture',
            'supported_gguf_architectures', 'check_gguf', 'check_model_source', 'gguf_to_folder', 'resolve_model',
-           'tiny_random_model', 'cpu_flags', 'half_dtype', 'Precision', 'choose_dtype', 'autocast', 'load_tokenizer',
-           'add_lora', 'check_context', 'enable_checkpointing', 'refuse_remote_code', 'load_policy',
-           'reference_context', 'trainable_parameters']
+           'tiny_random_model', 'cpu_flags', 'half_dtype', 'Precision', 'choose_dtype', 'autocast',
+           'keep_4bit_differentiable', 'load_tokenizer', 'add_lora', 'check_context', 'enable_checkpointing',
+           'refuse_remote_code', 'load_policy', 'reference_context', 'trainable_parameters']
 
 # %% ../nbs/03_models.ipynb #a7710a74
 import contextlib, functools, hashlib, importlib.util, os, shutil, tempfile, warnings
@@ -187,6 +187,13 @@ def autocast(enabled, device: str = "cpu"):
     dtype = choose_dtype(device, autocast=enabled).autocast
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
+# %% ../nbs/03_models.ipynb #9c3d5e71
+def keep_4bit_differentiable(model):
+    "Turn off bitsandbytes' CPU repacking of 4-bit weights for `gemv_4bit` (no backward) in every layer of `model`; returns `model`."
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"): m.support_avx512bf16_for_cpu = False     # bitsandbytes' Linear4bit
+    return model
+
 # %% ../nbs/03_models.ipynb #1caa727b
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
@@ -258,7 +265,7 @@ def load_policy(c: GRPOConfig, device: str = None):
     if not c.load_in_4bit: model = model.to(device)
     if c.load_in_4bit:         # fp32 norms and embeddings, frozen base; checkpointing is enabled below, as for 16-bit weights
         from peft import prepare_model_for_kbit_training
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = keep_4bit_differentiable(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False))
     if c.gradient_checkpointing: enable_checkpointing(model)
     if c.lora: model = add_lora(model, c)
     model.generation_config.pad_token_id = tok.pad_token_id

@@ -165,3 +165,15 @@ def test_accelerate_launch_with_the_fsdp2_config_trains_the_ddp_adapter(tmp_path
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+@pytest.mark.parametrize("how", ["sharding", "accelerate"])
+def test_fsdp2_refuses_an_explicit_sampler_dtype(how, monkeypatch):
+    "A merged sampling copy (sampler_dtype=float32/bfloat16/float16) needs the whole weights: under FSDP2 it is refused at config time."
+    from mmrgrpo.config import ConfigError, check_config, load_config
+    kw = dict(model="tiny-random", sampler_dtype="float32", **({"sharding": "fsdp2"} if how == "sharding" else {}))
+    if how == "accelerate": monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    c = load_config(**kw)                                       # one process: sharding changes nothing, so nothing to refuse
+    with pytest.raises(ConfigError, match=r"^sampler_dtype=float32 with FSDP2 sharding: .* use sampler_dtype=auto or policy$"):
+        check_config(c, world_size=2)
+    for ok in ("auto", "policy"): check_config(load_config(**{**kw, "sampler_dtype": ok}), world_size=2)

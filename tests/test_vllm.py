@@ -1,8 +1,9 @@
 """The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, the module imports
 without vLLM, the engine's arguments (dtype, sizes), one engine per process (reused, closed, its temp folder removed), whether
-vLLM can load here, and the `[vllm]` extra's bounds. On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout
-of real outputs, LoRA and full-weight sync, sleep mode, the sampler/trainer log-prob gap, closing and rebuilding the engine,
-and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process: the LoRA tests share
+vLLM can load here, a CPU engine's settings (no sleep mode, no chunked prefill, the KV cache from the config), and the `[vllm]`
+extra's bounds. The real engine on a CPU: tests/test_vllm_cpu.py (run by tools/vllm_cpu_tests.sh in .venv-vllm). On a GPU
+with vLLM installed (`gpu` marker): seeded sampling, the layout of real outputs, LoRA and full-weight sync, sleep mode, the
+sampler/trainer log-prob gap, closing and rebuilding the engine, and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process: the LoRA tests share
 one engine; run the full-weight test in a process of its own (bench/gpu_check.sh does)."""
 import importlib.util, sys, tomllib
 from pathlib import Path
@@ -185,6 +186,7 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm, SamplingParams=lambda **kw: SimpleNamespace(**kw)))
     monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=lora))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    monkeypatch.setattr(vllm_backend, "engine_device", lambda: "cuda")     # the fakes stand in for a GPU engine (sleep mode)
     close_engine()
     yield made
     close_engine()
@@ -237,6 +239,48 @@ def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path, capsys):
     assert llm.calls[-2:] == ["wake", "shutdown"] and not folder.exists()
 
 
+def test_backend_flow_on_a_cpu_engine(fake_vllm, monkeypatch, tokenizer):
+    "A CPU engine: no sleep mode (asking for it is an error), no chunked prefill, a KV cache sized from the config and the model."
+    from mmrgrpo.config import ConfigError
+    from mmrgrpo.models import load_policy
+    from mmrgrpo.vllm_backend import kv_cache_bytes
+    monkeypatch.setattr(vllm_backend, "engine_device", lambda: "cpu")
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    model, tok = load_policy(c)
+    with pytest.raises(ConfigError, match=r"vllm_sleep=true on a cpu engine.*leave vllm_sleep unset"):
+        VLLMBackend(model, tok, load_config(**{**vars(c), "vllm_sleep": True}))
+    assert not fake_vllm
+    b = VLLMBackend(model, tok, c)
+    kw = fake_vllm[0].kw
+    assert not kw["enable_sleep_mode"] and not kw["enable_chunked_prefill"] and "gpu_memory_utilization" not in kw
+    assert kw["kv_cache_memory_bytes"] == kv_cache_bytes(c, model.config, kw["dtype"]) and not b.sleeping
+    b.generate([chat(tok, "Hi")], 2, 8, seed=0)
+    assert "sleep" not in fake_vllm[0].calls and "wake" not in fake_vllm[0].calls
+
+
+def test_kv_cache_bytes_by_hand():
+    "SmolLM2-135M's sizes: 30 layers, 3 KV heads of 64, bf16: 23,040 bytes a token (K and V)."
+    from mmrgrpo.vllm_backend import kv_cache_bytes
+    cfg = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576, head_dim=64)
+    c = load_config(model="tiny-random", prompts_per_step=8, num_generations=8, max_prompt_length=512, max_completion_length=32)
+    tokens = 8 * 512 + 64 * (32 + 128)                       # each prompt once (prefix caching), each completion its own blocks
+    assert kv_cache_bytes(c, cfg, "bfloat16") == -(-tokens * 23_040 * 5 // 4 // 2**20) * 2**20
+    assert kv_cache_bytes(c, cfg, "float32") > kv_cache_bytes(c, cfg, "bfloat16")
+    assert kv_cache_bytes(c, cfg, "bfloat16", world=2) < kv_cache_bytes(c, cfg, "bfloat16")
+    assert kv_cache_bytes(c, cfg, "bfloat16", prefix_caching=False) >= 64 * 544 * 23_040
+
+
+@pytest.mark.parametrize("flags,dtype", [({"avx512_bf16"}, "bfloat16"), ({"avx512f", "avx2"}, "float32")])
+def test_cpu_engine_settings(flags, dtype, monkeypatch):
+    from mmrgrpo import models
+    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
+    c = load_config(model="tiny-random", max_prompt_length=8000, max_completion_length=32)
+    kw = engine_kwargs(c, "m", lora=True, device="cpu")
+    assert kw["dtype"] == dtype and not kw["enable_sleep_mode"] and not kw["enable_chunked_prefill"]
+    assert kw["max_num_batched_tokens"] == 8032                # without chunks, a step's budget holds a whole prompt
+    assert engine_kwargs(c, "m", lora=True)["enable_sleep_mode"]          # on a GPU sleep mode is on by default
+
+
 @pytest.mark.parametrize("world,prune_rate,allocation,seqs", [(1, 0.0, False, 32), (2, 0.0, False, 16), (1, 0.5, True, 64)])
 def test_engine_is_sized_for_one_step(world, prune_rate, allocation, seqs):
     "max_num_seqs: the B*G completions a process samples per step; a bounded token budget per engine step."
@@ -253,6 +297,8 @@ def test_which_engines_fit():
     assert not engine_fits(have, {**have, "max_model_len": 1024})
     assert not engine_fits(have, {**have, "model": ("Qwen/Qwen2.5-0.5B-Instruct", None, None)})
     assert not engine_fits(have, {k: v for k, v in have.items() if k not in ("enable_lora", "max_lora_rank")})
+    cpu = {**have, "enable_sleep_mode": False, "kv_cache_memory_bytes": 2**29, "max_num_batched_tokens": 4096}
+    assert engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**28}) and not engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**30})
 
 
 def test_one_engine_per_process_reused_and_closed(fake_vllm, tokenizer):
@@ -306,7 +352,8 @@ def test_vllm_status(case, tmp_path, monkeypatch):
     ok, why = vllm_status()
     for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
     assert ok == (case == "works") and "\n" not in why
-    assert why == {"missing": "vLLM is not installed", "no GPU": "no CUDA GPU is visible", "works": "vLLM 0.19.1",
+    assert why == {"missing": "vLLM is not installed", "works": "vLLM 0.19.1",
+                   "no GPU": "no CUDA GPU is visible, and this vLLM is not a CPU build (vllm-cpu; see tools/vllm_cpu_tests.sh)",
                    "wrong CUDA": "vLLM does not load (OSError: libcudart.so.13: cannot open shared object file: No such file or "
                                  "directory)"}[case]
 

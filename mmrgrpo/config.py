@@ -1,4 +1,4 @@
-"""Every knob of a run in one dataclass: documented fields, YAML files, command-line overrides, and errors that say what to change.
+"""Every knob of a run in one dataclass: documented fields, YAML files, command-line overrides, and errors that say what to change. (The module is longer than 300 lines because every field and every check of their combinations lives here, in one place.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/config.html.md"""
 

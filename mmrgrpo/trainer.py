@@ -24,7 +24,8 @@ from .prompts import format_prompt, default_shots, check_prompt_lengths
 from .rewards import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
-from .sampler_copy import sampler_dtype
+from .sampler_copy import sampler_dtype, CopyBackend
+from .kvcache import reserve_cache
 from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info
@@ -231,8 +232,9 @@ def make_backend(c: GRPOConfig, model, tokenizer):
         from mmrgrpo.vllm_backend import VLLMBackend
         return VLLMBackend(model, tokenizer, c)
     copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
-    return HFBackend(model, tokenizer, c.max_prompt_length, c.share_prompt, copy_dtype=copy_dtype,
-                     record_logprobs=copy_dtype is not None and c.tis_cap_ > 0)
+    kw = dict(max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt, cache_room=reserve_cache)
+    if copy_dtype is None: return HFBackend(model, tokenizer, **kw)
+    return CopyBackend(model, tokenizer, copy_dtype=copy_dtype, record_logprobs=c.tis_cap_ > 0, **kw)
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."

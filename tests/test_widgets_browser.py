@@ -1,6 +1,6 @@
 """The notebooks' live widgets in a real browser: JupyterLab on a local port, headless Chromium driven by playwright.
 
-For notebooks 07, 08 and 09: run every cell through JupyterLab, then move each slider and switch each toggle of the
+For notebooks 20_mmr, 21_pruning and 22_tokens: run every cell through JupyterLab, then move each slider and switch each toggle of the
 `interact` view and check that its figure (or highlighted text) changes and that no traceback appears anywhere. The
 notebooks run in a copy of nbs/ under the test's temporary folder, so nothing is written into the repository; screenshots
 of every step are saved there too (`<tmp>/screenshots`). Skipped, with the reason, where playwright or a Chromium is
@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.browser
 
 NBS = Path(__file__).resolve().parents[1] / "nbs"
-NOTEBOOKS = ["07_mmr.ipynb", "08_pruning.ipynb", "09_tokens.ipynb"]
+NOTEBOOKS = ["20_mmr.ipynb", "21_pruning.ipynb", "22_tokens.ipynb"]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 RUN_ALL_S, UPDATE_S = 240, 30  # bounds on running a whole notebook, and on one widget's redraw
 

@@ -109,7 +109,7 @@ def main(argv=None):
     from mmrgrpo.config import load_config
     from mmrgrpo.data import task_source, tasks_for_step
     from mmrgrpo.models import load_policy, trainable_parameters
-    from mmrgrpo.rewards import get_reward_funcs
+    from mmrgrpo.verifier_pool import get_reward_funcs
     from mmrgrpo.advantages import group_advantages
     repeats = args.repeats or (2 if args.quick else 3)
     c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,

@@ -80,7 +80,8 @@ def worker_trl(cfg: dict, extra: list) -> dict:
     from trl import GRPOConfig as TRLConfig, GRPOTrainer
     from mmrgrpo.config import load_config
     from mmrgrpo.models import load_tokenizer
-    from mmrgrpo.rewards import accuracy_reward, format_reward
+    from mmrgrpo.rewards import format_reward
+    from mmrgrpo.verifier_pool import accuracy_reward
     c = load_config(**dict(cfg, output_dir="unused"))
     bl.set_threads(c.threads)
     pa = prompts_and_answers(c)

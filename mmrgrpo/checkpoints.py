@@ -6,11 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 
 # %% auto #0
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'RUN_FILES', 'LOCK', 'rng_state', 'set_rng_state',
-           'checkpoints', 'write_manifest', 'checkpoint_problem', 'save_checkpoint', 'latest_checkpoint',
-           'CheckpointError', 'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'clear_run',
-           'prepare_output_dir', 'output_dir_lock', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes',
-           'save_failed', 'refuse_link', 'check_output_dir', 'check_resume_into', 'where_to_resume',
-           'TrainingInterrupted']
+           'checkpoints', 'write_manifest', 'checkpoint_problem', 'latest_checkpoint', 'save_checkpoint',
+           'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError', 'load_checkpoint',
+           'config_changes', 'resume_checkpoint', 'run_in', 'clear_run', 'prepare_output_dir', 'output_dir_lock',
+           'refuse_link', 'check_output_dir', 'check_resume_into', 'where_to_resume', 'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
 import contextlib, errno, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys
@@ -23,15 +22,7 @@ from .config import GRPOConfig, ConfigError, save_config
 from .safety import replace_file
 from .distributed import dist_info, is_sharded, full_state_dicts, load_full_state_dicts
 
-# %% ../nbs/42_checkpoints.ipynb #8e00d2f7
-def _fsync_tree(d: Path):
-    for p in d.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f: os.fsync(f.fileno())
-    fd = os.open(d, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
-
+# %% ../nbs/42_checkpoints.ipynb #1269982b
 def rng_state() -> dict:
     "The Python, NumPy, torch and CUDA generator states as tensors, lists and numbers (what `torch.load(weights_only=True)` reads)."
     version, words, gauss = random.getstate()
@@ -48,6 +39,7 @@ def set_rng_state(s: dict):
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
+# %% ../nbs/42_checkpoints.ipynb #5c3dc41f
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 def checkpoints(out) -> list:
@@ -83,6 +75,23 @@ def checkpoint_problem(d) -> str:
         if _sha256(p) != digest: return f"{name} does not match its SHA-256 in {MANIFEST} (altered or corrupted)"
     return None
 
+def latest_checkpoint(out, verify: bool = False) -> Path:
+    "The newest complete checkpoint in `out` (None if none). `verify`: the newest whose files match their manifest, saying which were skipped and why."
+    for p in reversed(checkpoints(out)):
+        why = checkpoint_problem(p) if verify else None if (p / MANIFEST).exists() else "incomplete"
+        if why is None: return p
+        if verify: print(f"WARNING: skipping {p}: {why}", file=sys.stderr)
+    return None
+
+# %% ../nbs/42_checkpoints.ipynb #c837326d
+def _fsync_tree(d: Path):
+    for p in d.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f: os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOConfig, state: dict, keep: int = 2,
                     final: bool = False) -> Path:
     "Write checkpoint-<step> with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep`. Returns its path; a failed write warns and returns None, or (`final`) raises `CheckpointSaveError`. A sharded (FSDP2) model: every process calls it, the weights and optimizer state are gathered whole and rank 0 writes them."
@@ -110,14 +119,40 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOCo
     for old in checkpoints(out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
     return dest
 
-def latest_checkpoint(out, verify: bool = False) -> Path:
-    "The newest complete checkpoint in `out` (None if none). `verify`: the newest whose files match their manifest, saying which were skipped and why."
-    for p in reversed(checkpoints(out)):
-        why = checkpoint_problem(p) if verify else None if (p / MANIFEST).exists() else "incomplete"
-        if why is None: return p
-        if verify: print(f"WARNING: skipping {p}: {why}", file=sys.stderr)
+# %% ../nbs/42_checkpoints.ipynb #580d3784
+class CheckpointSaveError(OSError):
+    "The final checkpoint could not be written: the trained weights are not on disk. The message says why and what to do."
+
+def free_bytes(path) -> int:
+    "Free space on the file system holding `path`."
+    return shutil.disk_usage(path).free
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 10_000 else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+def checkpoint_bytes(out: Path, model, optimizer) -> int:
+    "About how much a checkpoint takes: the newest one's size, else the saved weights (the adapter, or all) plus the optimizer state."
+    if prev := latest_checkpoint(out): return sum(p.stat().st_size for p in prev.rglob("*") if p.is_file())
+    weights = [p for p in model.parameters() if p.requires_grad or not hasattr(model, "peft_config")]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in weights + state)
+
+def save_failed(e: Exception, out: Path, step: int, model, optimizer, final: bool):
+    "Report a failed checkpoint write: a full disk (ENOSPC, or torch's `unexpected pos` with too little space left) with the space needed; warn and return None, or raise for the final one."
+    need, free, prev = checkpoint_bytes(out, model, optimizer), free_bytes(out), latest_checkpoint(out)
+    full = getattr(e, "errno", None) == errno.ENOSPC or free < need
+    why = (f"the disk is full: checkpoint-{step} needs about {_size(need)} and {out} has {_size(free)} free" if full
+           else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if final:
+        fix = "free space on that disk (or move output_dir to a larger one)" if full else "fix that"
+        raise CheckpointSaveError(f"the final checkpoint checkpoint-{step} was not written: {why}; the trained weights are lost: "
+                                  f"{fix}, then resume_from=latest continues from {prev.name if prev else 'the start'}") from e
+    print(f"WARNING: writing checkpoint-{step} failed ({type(e).__name__}: {e}); "
+          f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'there is no earlier checkpoint'}"
+          + (f"; {why}" if full else ""), file=sys.stderr)
     return None
 
+# %% ../nbs/42_checkpoints.ipynb #278fef15
 class CheckpointError(ConfigError):
     "A checkpoint that cannot be trusted or read; the message names it and what is wrong."
 
@@ -150,6 +185,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
+# %% ../nbs/42_checkpoints.ipynb #6a358948
 # fields a resumed run may change: how long it runs, what it logs and saves, and how (not what) it computes
 RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completions_every", "log_with", "resume_from", "output_dir",
              "overwrite", "threads", "data_dir", "micro_batch_size", "logp_chunk_size", "gradient_checkpointing", "share_prompt",
@@ -177,6 +213,7 @@ def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
         if k not in ("resume_from", "overwrite", "output_dir"): print(f"resume: {k} changed from {a!r} to {b!r}")
     return ck
 
+# %% ../nbs/42_checkpoints.ipynb #7299ba2d
 RUN_FILES, LOCK = ("metrics.jsonl", "config.yaml", "reward_curve.png", "summary.md", "summary.json", "tensorboard"), ".mmrgrpo.lock"
 
 def run_in(out) -> list:
@@ -205,6 +242,7 @@ def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
         for tmp in out.glob(".tmp-checkpoint-*"): shutil.rmtree(tmp, ignore_errors=True)    # half-written by a killed run
     return ck
 
+# %% ../nbs/42_checkpoints.ipynb #cb0cf129
 def _same_file(path: Path, fd: int) -> bool:
     try: return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError: return False
@@ -242,39 +280,6 @@ def output_dir_lock(out: Path, enabled: bool = True):
         if fd is not None:
             with contextlib.suppress(OSError): os.unlink(path)
             os.close(fd)
-
-# %% ../nbs/42_checkpoints.ipynb #580d3784
-class CheckpointSaveError(OSError):
-    "The final checkpoint could not be written: the trained weights are not on disk. The message says why and what to do."
-
-def free_bytes(path) -> int:
-    "Free space on the file system holding `path`."
-    return shutil.disk_usage(path).free
-
-def _size(n: int) -> str:
-    return f"{n} bytes" if n < 10_000 else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-def checkpoint_bytes(out: Path, model, optimizer) -> int:
-    "About how much a checkpoint takes: the newest one's size, else the saved weights (the adapter, or all) plus the optimizer state."
-    if prev := latest_checkpoint(out): return sum(p.stat().st_size for p in prev.rglob("*") if p.is_file())
-    weights = [p for p in model.parameters() if p.requires_grad or not hasattr(model, "peft_config")]
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in weights + state)
-
-def save_failed(e: Exception, out: Path, step: int, model, optimizer, final: bool):
-    "Report a failed checkpoint write: a full disk (ENOSPC, or torch's `unexpected pos` with too little space left) with the space needed; warn and return None, or raise for the final one."
-    need, free, prev = checkpoint_bytes(out, model, optimizer), free_bytes(out), latest_checkpoint(out)
-    full = getattr(e, "errno", None) == errno.ENOSPC or free < need
-    why = (f"the disk is full: checkpoint-{step} needs about {_size(need)} and {out} has {_size(free)} free" if full
-           else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if final:
-        fix = "free space on that disk (or move output_dir to a larger one)" if full else "fix that"
-        raise CheckpointSaveError(f"the final checkpoint checkpoint-{step} was not written: {why}; the trained weights are lost: "
-                                  f"{fix}, then resume_from=latest continues from {prev.name if prev else 'the start'}") from e
-    print(f"WARNING: writing checkpoint-{step} failed ({type(e).__name__}: {e}); "
-          f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'there is no earlier checkpoint'}"
-          + (f"; {why}" if full else ""), file=sys.stderr)
-    return None
 
 # %% ../nbs/42_checkpoints.ipynb #95986dc1
 def refuse_link(name: str) -> str:

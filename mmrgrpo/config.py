@@ -311,7 +311,7 @@ def _check_sizes(c: GRPOConfig, need):
 
 def _check_reward_funcs(c: GRPOConfig):
     "Import the reward functions now, before any model loads: a 'package.module:function' entry runs that module's code."
-    from mmrgrpo.rewards import get_reward_funcs
+    from mmrgrpo.verifier_pool import get_reward_funcs
     try: get_reward_funcs(c.reward_funcs)
     except ValueError as e: raise ConfigError(f"reward_funcs: {e}") from None
 

@@ -17,7 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
-from .rewards import check_golds, _clip, _not_a_gold
+from .rewards import _clip, _not_a_gold
+from .verifier_pool import check_golds
 
 _log = logging.getLogger(__name__)
 

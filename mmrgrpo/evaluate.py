@@ -11,7 +11,8 @@ __all__ = ['evaluate']
 import math, time
 import torch
 from tqdm.auto import tqdm
-from .rewards import accuracy_reward, format_reward
+from .rewards import format_reward
+from .verifier_pool import accuracy_reward
 
 # %% ../nbs/18_evaluate.ipynb #08defeb5
 def evaluate(backend, prompts: list, answers: list,

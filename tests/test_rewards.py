@@ -1,4 +1,4 @@
-"""Tests for mmrgrpo.rewards: the verifier's time limit, hostile completions, and reward-function checking.
+"""Tests for mmrgrpo.rewards and mmrgrpo.verifier_pool: the verifier's time limit, hostile completions, and reward-function checking.
 
 The `_score_fn` hooks below are imported by name inside the verifier processes, so this module keeps its top-level imports
 light (torch is imported inside the tests that need it)."""
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import mmrgrpo.rewards as R
-from mmrgrpo.rewards import (RewardFunctionError, accuracy_reward, check_golds, compute_rewards, extract_boxed, format_reward,
-                             get_reward_funcs, parse_gold, reward_counters, reward_name, shutdown_verifier, verify_batch)
+import mmrgrpo.verifier_pool as V
+from mmrgrpo.rewards import (RewardFunctionError, compute_rewards, extract_boxed, format_reward, parse_gold, reward_counters,
+                             reward_name)
+from mmrgrpo.verifier_pool import accuracy_reward, check_golds, cosine_reward, get_reward_funcs, shutdown_verifier, verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{9^{9^{9^{9}}}}"                     # SymPy sets out to compute 9^(9^387420489): never finishes
@@ -30,7 +31,7 @@ def _delta(before: dict) -> dict:
 
 
 def _worker_pids() -> list[int]:
-    return [w.proc.pid for w in R._POOL.workers]
+    return [w.proc.pid for w in V._POOL.workers]
 
 
 def _alive(pid: int) -> bool:
@@ -195,9 +196,9 @@ def test_idle_workers_are_not_timed_out():
     "A worker that sits idle past its last pair's deadline must not be counted as timed out, nor replaced."
     for _ in range(100):                                      # until every worker has started
         verify_batch(["1"] * 4, ["1"] * 4, timeout=5, _score_fn=_echo)
-        if all(w.ready for w in R._POOL.workers): break
+        if all(w.ready for w in V._POOL.workers): break
         time.sleep(0.1)
-    n = len(R._POOL.workers)
+    n = len(V._POOL.workers)
     if n < 2: pytest.skip("needs two verifier processes")
     verify_batch(["1"] * n, ["1"] * n, timeout=0.3, _score_fn=_echo)   # every worker gets a pair and a deadline
     pids, before = _worker_pids(), reward_counters()
@@ -216,9 +217,9 @@ def test_works_off_the_main_thread():
 
 def test_workers_that_cannot_start_raise_a_clear_error(monkeypatch):
     shutdown_verifier()
-    monkeypatch.setattr(R, "_WORKER_START", "import sys; sys.exit(3)")
+    monkeypatch.setattr(V, "_WORKER_START", "import sys; sys.exit(3)")
     with pytest.raises(RuntimeError, match="failed to start 3 times in a row"): verify_batch(["1"], ["1"])
-    assert R._POOL is None
+    assert V._POOL is None
     monkeypatch.undo()
     assert verify_batch(["1"], ["\\boxed{1}"]) == [1.0]
 
@@ -227,7 +228,7 @@ def test_shutdown_and_restart():
     verify_batch(["1"], ["1"])
     pids = _worker_pids()
     shutdown_verifier()
-    assert R._POOL is None and _gone_within(pids, 5)
+    assert V._POOL is None and _gone_within(pids, 5)
     assert verify_batch(["1"], ["\\boxed{1}"]) == [1.0]
 
 
@@ -235,7 +236,7 @@ def _run_child(code: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, **kw)
 
 
-CHILD = "import mmrgrpo.rewards as R; R.verify_batch(['1'], ['1']); print(*[w.proc.pid for w in R._POOL.workers], flush=True)"
+CHILD = "import mmrgrpo.verifier_pool as V; V.verify_batch(['1'], ['1']); print(*[w.proc.pid for w in V._POOL.workers], flush=True)"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -250,7 +251,7 @@ def test_workers_stop_when_the_interpreter_exits():
 def test_workers_stop_when_the_trainer_is_killed():
     "Idle workers see their pipe close; a busy one (stuck in `_sleepy`) notices its parent is gone within a second or two."
     child = _run_child("import sys; sys.path.insert(0, 'tests'); import test_rewards as T; " + CHILD
-                       + "; R.verify_batch(['1'], ['1'], timeout=100, _score_fn=T._sleepy)")
+                       + "; V.verify_batch(['1'], ['1'], timeout=100, _score_fn=T._sleepy)")
     pids = [int(p) for p in child.stdout.readline().split()]
     time.sleep(2)                                             # a worker is now inside _sleepy
     child.send_signal(signal.SIGKILL); child.wait(10); child.stdout.close()
@@ -378,8 +379,19 @@ def test_reward_names():
     assert "rewards/half_none_0" in m and "rewards/half_none_1" in m
 
 
+def naps(prompts, completions, **kw): time.sleep(0.5); return [1.0] * len(completions)
+
+
+def test_builtin_rewards_bound_their_own_time():
+    "Ours (`has_own_time_limit`) are called directly, with their own limits; any other function gets `timeout` s per completion."
+    _, m = compute_rewards([accuracy_reward, format_reward, cosine_reward], None, PROMPTS, COMPLETIONS, COLUMNS, timeout=1e-3)
+    assert m["rewards/accuracy_reward"] == pytest.approx(2 / 3) and m["rewards/timeouts"] == 0
+    with pytest.raises(RewardFunctionError, match=r"'naps' took more than 0.003 s for 3 completions"):
+        compute_rewards([naps], None, PROMPTS, COMPLETIONS, COLUMNS, timeout=1e-3)
+
+
 def test_get_reward_funcs():
-    assert get_reward_funcs(["accuracy", "format"]) == [accuracy_reward, format_reward]
+    assert get_reward_funcs(["accuracy", "format", "cosine"]) == [accuracy_reward, format_reward, cosine_reward]
     assert get_reward_funcs(["test_rewards:half_none"])[0] is half_none
     with pytest.raises(ValueError, match="unknown reward function 'acuracy'"): get_reward_funcs(["acuracy"])
     with pytest.raises(ValueError, match="cannot load reward function"): get_reward_funcs(["no_such_module_xyz:f"])

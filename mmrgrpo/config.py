@@ -29,6 +29,7 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 # %% ../nbs/12_config.ipynb #3bc0da58
+# One cell of ~110 lines: a dataclass cannot be split across cells, and each of its fields is one line.
 @dataclass
 class GRPOConfig:
     "All settings of a GRPO run. See each field's help; `load_config` reads them from YAML plus overrides."

@@ -230,6 +230,7 @@ def enable_checkpointing(model):
     else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     return model
 
+# %% ../nbs/13_models.ipynb #16373e25
 @contextlib.contextmanager
 def refuse_remote_code(field: str, name: str):
     "Turn transformers' refusal to run a model's own code (trust_remote_code off) into a one-line `ConfigError` naming the setting."

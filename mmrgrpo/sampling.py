@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
 # %% auto #0
 __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 'sample_tokens', 'InverseCDFSampler',
-           'cache_kwarg', 'output_cache', 'StepAbandoned', 'HFBackend']
+           'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'HFBackend']
 
 # %% ../nbs/15_sampling.ipynb #3e34fd79
 import inspect
@@ -116,32 +116,9 @@ def output_cache(out):
 class StepAbandoned(Exception):
     "A step given up before its update (the run was asked to stop and the step ran too long); nothing of it is kept."
 
-class HFBackend:
-    "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
-    copy_dtype = None      # the dtype of a merged sampling copy (`CopyBackend`); None: the policy itself
-    should_stop = None     # a function the decode loop asks between tokens; True: raise `StepAbandoned` (the trainer sets it)
-    def __init__(self, model, tokenizer, max_prompt_length: int = 512,
-                 share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
-                 drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
-                 compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
-                 cache_room: Optional[Callable] = None,    # (cache, extra) -> the cache with room for `extra` more positions; None: it grows
-                 record_logprobs: bool = False):               # keep each drawn token's log-prob (`tis_cap` corrects with them)
-        self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
-        self.drop_finished, self.compact_at, self.cache_room, self.record_logprobs = drop_finished, compact_at, cache_room, record_logprobs
-        self.eos_ids = stop_token_ids(model, tokenizer)
-        self.model = model                                  # the model sampled with
-
-    def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
-        "KV cache of every prompt but its last token, with room for the new tokens (None: prompts of one token)."
-        if enc.input_ids.shape[1] < 2: return None
-        g = num_generations if self.share_prompt else 1           # unshared: every copy runs its own prompt
-        ids = enc.input_ids[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
-        mask = enc.attention_mask[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        cache = output_cache(self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1))
-        if g > 1: cache.batch_repeat_interleave(g)
-        return self.room(cache, max_new_tokens + 1)
-
+# %% ../nbs/15_sampling.ipynb #bf031fb1
+class DecodeLoops:
+    "How `HFBackend` batches prompts and decodes: transformers' `generate` loop, or ours, where a finished row leaves the batch."
     def tokenize(self, prompts: list):
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         if enc.input_ids.shape[1] > self.max_prompt_length:
@@ -197,6 +174,34 @@ class HFBackend:
                 rows, mask, pos, tok, alive = rows[keep], mask[keep], pos[keep], tok[keep], alive[keep]
             ids, pos = tok[:, None], pos + 1
         return out
+
+# %% ../nbs/15_sampling.ipynb #756c36a2
+class HFBackend(DecodeLoops):
+    "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
+    copy_dtype = None      # the dtype of a merged sampling copy (`CopyBackend`); None: the policy itself
+    should_stop = None     # a function the decode loop asks between tokens; True: raise `StepAbandoned` (the trainer sets it)
+
+    def __init__(self, model, tokenizer, max_prompt_length: int = 512,
+                 share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
+                 drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
+                 compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
+                 cache_room: Optional[Callable] = None,    # (cache, extra) -> the cache with room for `extra` more positions; None: it grows
+                 record_logprobs: bool = False):               # keep each drawn token's log-prob (`tis_cap` corrects with them)
+        self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
+        self.drop_finished, self.compact_at, self.cache_room, self.record_logprobs = drop_finished, compact_at, cache_room, record_logprobs
+        self.eos_ids = stop_token_ids(model, tokenizer)
+        self.model = model                                  # the model sampled with
+
+    def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
+        "KV cache of every prompt but its last token, with room for the new tokens (None: prompts of one token)."
+        if enc.input_ids.shape[1] < 2: return None
+        g = num_generations if self.share_prompt else 1           # unshared: every copy runs its own prompt
+        ids = enc.input_ids[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+        mask = enc.attention_mask[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        cache = output_cache(self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1))
+        if g > 1: cache.batch_repeat_interleave(g)
+        return self.room(cache, max_new_tokens + 1)
 
     @torch.no_grad()
     def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:

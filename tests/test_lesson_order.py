@@ -98,3 +98,31 @@ def test_readme_table_lists_the_notebooks_in_order():
     assert [r[0] for r in rows] == [e[0] for e in expected]
     for (name, cell), (_, module) in zip(rows, expected):
         assert (f"`mmrgrpo.{module}`" in cell) if module else ("mmrgrpo." not in cell), (name, cell, module)
+
+
+def long_without_reason(lines: list, limit: int) -> bool:
+    "More than `limit` lines, and no comment among the first three that says why (it names its length: '... lines ...')."
+    return len(lines) > limit and not any(l.lstrip().startswith("#") and "lines" in l for l in lines[:3])
+
+
+def test_no_code_cell_over_60_lines_without_a_reason():
+    long = [(p.relative_to(NBS).as_posix(), i, len(src.splitlines())) for p in lesson_order()
+            for i, src in enumerate(code_cells(p)) if long_without_reason(src.splitlines(), 60)]
+    assert long == []
+
+
+def test_no_function_over_50_lines_without_a_reason():
+    long = []
+    for m in MODULES:
+        text = (ROOT / "mmrgrpo" / f"{m}.py").read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(text))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = text[node.lineno - 1:node.end_lineno]
+                if long_without_reason(body[1:], 49): long.append((m, node.name, len(body)))
+    assert long == []
+
+
+def test_the_length_rule_can_fail():
+    assert long_without_reason(["x = 1"] * 61, 60)
+    assert not long_without_reason(["# 70 lines: a dataclass cannot be split"] + ["x = 1"] * 69, 60)
+    assert not long_without_reason(["x = 1"] * 60, 60)

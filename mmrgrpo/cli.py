@@ -37,6 +37,7 @@ def summary_table(res, wall: float) -> str:
         lines.append(f"| {k}, total (per step) | {tot:.0f} s ({tot / max(len(rows), 1):.1f} s) |")
     return "\n".join(lines)
 
+# %% ../nbs/12_cli.ipynb #ae636caa
 def _parser():
     p = argparse.ArgumentParser(prog="mmrgrpo", description="GRPO with MMR reweighting, completion pruning and token selection")
     sub = p.add_subparsers(dest="command", required=True)
@@ -82,6 +83,7 @@ def interrupted(e: KeyboardInterrupt) -> int:
     print(str(e) or "interrupted", file=sys.stderr)
     return getattr(e, "exit_code", 130)
 
+# %% ../nbs/12_cli.ipynb #be661650
 def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     "Evaluate the config's model (with a checkpoint's weights, if given) and print the metrics as JSON."
     from mmrgrpo.models import load_policy
@@ -122,6 +124,7 @@ def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
         if getattr(c, k) != theirs[k]: print(f"eval: {k}={theirs[k]!r} from the checkpoint", file=sys.stderr)
     return check_config(dataclasses.replace(c, **theirs))
 
+# %% ../nbs/12_cli.ipynb #888aa96b
 def demo(overrides=(), config=None) -> int:
     "Train SmolLM2-135M-Instruct with LoRA on two-digit sums, on the CPU; print a summary; save plots and metrics."
     from mmrgrpo.trainer import train, plot_rewards

@@ -37,6 +37,7 @@ def summary_table(res, wall: float) -> str:
         lines.append(f"| {k}, total (per step) | {tot:.0f} s ({tot / max(len(rows), 1):.1f} s) |")
     return "\n".join(lines)
 
+# %% ../nbs/45_cli.ipynb #ae636caa
 def _parser():
     p = argparse.ArgumentParser(prog="mmrgrpo", description="GRPO with MMR reweighting, completion pruning and token selection")
     sub = p.add_subparsers(dest="command", required=True)
@@ -82,10 +83,12 @@ def interrupted(e: KeyboardInterrupt) -> int:
     print(str(e) or "interrupted", file=sys.stderr)
     return getattr(e, "exit_code", 130)
 
+# %% ../nbs/45_cli.ipynb #be661650
 def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     "Evaluate the config's model (with a checkpoint's weights, if given) and print the metrics as JSON."
     from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
+    from mmrgrpo.kvcache import reserve_cache
     from mmrgrpo.data import load_tasks
     from mmrgrpo.trainer import build_prompt, eval_source, run_eval, fit_prompts
     if c.eval_size < 1: raise ConfigError(f"eval_size={c.eval_size}: mmrgrpo eval needs at least 1 held-out task")
@@ -99,7 +102,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
         import torch
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)])
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    res = run_eval(HFBackend(model, tok, c.max_prompt_length), [build_prompt(tok, c, t["question"], src) for t in tasks],
+    res = run_eval(HFBackend(model, tok, c.max_prompt_length, cache_room=reserve_cache), [build_prompt(tok, c, t["question"], src) for t in tasks],
                 [t["answer"] for t in tasks], c, tok)
     print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # the per-task list is for files
     return 0
@@ -122,6 +125,7 @@ def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
         if getattr(c, k) != theirs[k]: print(f"eval: {k}={theirs[k]!r} from the checkpoint", file=sys.stderr)
     return check_config(dataclasses.replace(c, **theirs))
 
+# %% ../nbs/45_cli.ipynb #888aa96b
 def demo(overrides=(), config=None) -> int:
     "Train SmolLM2-135M-Instruct with LoRA on two-digit sums, on the CPU; print a summary; save plots and metrics."
     from mmrgrpo.trainer import train, plot_rewards

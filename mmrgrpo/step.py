@@ -8,10 +8,12 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune',
            'micro_batches', 'splits_groups', 'machine_memory', 'estimate_step_memory', 'check_step_memory',
            'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'prompt_groups', 'policy_stats', 'batch_logprobs',
-           'choose_tokens', 'update']
+           'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass', 'sampler_weights',
+           'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
 
 # %% ../nbs/41_step.ipynb #3ef80582
 import math, sys, weakref
+from dataclasses import dataclass
 import torch
 from .config import GRPOConfig, ConfigError, prompts_to_sample
 from .rewards import compute_rewards
@@ -197,6 +199,7 @@ def batch_logprobs(model, rollout: Rollout, c: GRPOConfig, slices: list, with_su
     outs = [policy_stats(model, rollout, c, rows, with_sumsq) for rows in slices]
     return tuple(torch.cat(x) if x[0] is not None else None for x in zip(*outs))
 
+# %% ../nbs/41_step.ipynb #18e4d283
 def choose_tokens(c: GRPOConfig, stats: tuple, logp_old, logp_ref, advantages, mask, group_ids) -> torch.Tensor:
     "The tokens (N, T) that keep their advantage, by the configured selector, from the current policy's (logp, entropy, log_sumsq)."
     logp, entropy, log_sumsq = stats
@@ -206,91 +209,149 @@ def choose_tokens(c: GRPOConfig, stats: tuple, logp_old, logp_ref, advantages, m
     return select_tokens(scores, mask, group_ids, c.keep_ratio, scope="batch" if c.token_selection == "entropy" else "group",
                          inverse=c.token_selection_inverse)
 
+# %% ../nbs/41_step.ipynb #0f5cd42a
+_SUMS = ("kl", "entropy", "clipped", "carrying", "kept_tokens", "is_ratio", "is_capped")    # what the update's metrics add up
+
+@dataclass
+class UpdateBatch:
+    "What the passes of one `update` share: the model, optimizer and kept rollout, its micro-batches, counts and running sums."
+    model: torch.nn.Module
+    optimizer: object
+    rollout: Rollout
+    advantages: torch.Tensor         # (N,)
+    c: GRPOConfig
+    phases: Phases
+    counter: dict                    # counter["forward_rows"]: rows that reached the model
+    should_stop: object = None       # a function: True when the step must be abandoned
+
+    def __post_init__(self):
+        c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)     # mask (N, T)
+        self.group_ids = self.rollout.group_ids.to(self.mask.device)
+        device_type = next(self.model.parameters()).device.type
+        self.slices = micro_batches(self.group_ids, self.mask.shape[1], c.micro_batch_size, device_type)
+        self.scaler = grad_scaler(self.optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
+        self.cap = importance_cap(c, self.rollout)
+        self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.mask.sum().item())
+        self.selecting, self.with_sumsq = c.token_selection != "none", c.token_selection == "logit_grad"
+        # scores rank whole groups (the entropy selector: the whole batch); when a micro-batch cannot see that, score in a pass first
+        self.score_first = self.selecting and (splits_groups(self.group_ids, self.slices)
+                                               or (c.token_selection == "entropy" and len(self.slices) > 1))
+        self.sums = dict.fromkeys(_SUMS, 0.0)
+
+    def forwarded(self, rows: int):
+        "Count `rows` more rows through the model."
+        self.counter["forward_rows"] = self.counter.get("forward_rows", 0) + rows
+
+    def check_stop(self, where: str):
+        "Raise `StepAbandoned` when `should_stop()` says so."
+        if self.should_stop is not None and self.should_stop(): raise StepAbandoned(f"the update stopped {where}")
+
+# %% ../nbs/41_step.ipynb #d30b8ad1
+def reference_pass(u: UpdateBatch, ref_model=None) -> torch.Tensor:
+    "The completions' log-probs (N, T) under the reference model: LoRA's base with the adapter off, or `ref_model`."
+    with u.phases("ref"), reference_context(u.model, ref_model) as ref:
+        logp_ref = batch_logprobs(ref, u.rollout, u.c, u.slices)[0]
+    u.forwarded(u.n_rows)
+    return logp_ref
+
+def old_logprob_pass(u: UpdateBatch) -> tuple:
+    "(logp, entropy, log_sumsq) under the policy before its first step on this batch: `pi_old` of every iteration."
+    with u.phases("old_logp"):
+        stats = batch_logprobs(u.model, u.rollout, u.c, u.slices, u.with_sumsq and u.selecting)
+    u.forwarded(u.n_rows)
+    return stats
+
+# %% ../nbs/41_step.ipynb #399816ce
+def token_pass(u: UpdateBatch, iteration: int, old_stats, logp_ref) -> torch.Tensor:
+    "The tokens (N, T) that keep their advantage this iteration, scored in a gradient-free pass over the whole batch."
+    with u.phases("select"):
+        if iteration == 0 and old_stats is not None: stats = old_stats       # the same policy: reuse that pass
+        else: stats = batch_logprobs(u.model, u.rollout, u.c, u.slices, u.with_sumsq); u.forwarded(u.n_rows)
+        logp_old = None if old_stats is None else old_stats[0]
+        return choose_tokens(u.c, stats, logp_old, logp_ref, u.advantages, u.mask, u.group_ids)
+
+# %% ../nbs/41_step.ipynb #725c6b9f
+def sampler_weights(u: UpdateBatch, rows, old: torch.Tensor, row_mask: torch.Tensor, first: bool):
+    "Truncated importance weights min(pi_old / pi_sampler, cap) (rows, T) for tokens another engine sampled; None when off."
+    if not u.cap: return None
+    is_weights, capped, ratio = truncated_is_weights(old, u.rollout.sampler_logprobs[rows], u.cap, row_mask)
+    if first: u.sums["is_ratio"] += ratio[row_mask].sum().item(); u.sums["is_capped"] += capped[row_mask].sum().item()
+    return is_weights
+
+def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, token_keep) -> float:
+    "Forward, token selection, loss and backward on the rows `rows`; adds their counts to `u.sums` and returns the loss."
+    c, mask = u.c, u.mask[rows]
+    u.check_stop("between micro-batches")
+    with u.phases("update"):
+        logp, entropy, log_sumsq = policy_stats(u.model, u.rollout, c, rows, u.with_sumsq and not u.score_first)
+    u.forwarded(logp.shape[0])
+    old = logp.detach() if logp_old is None else logp_old[rows]
+    ref = None if logp_ref is None else logp_ref[rows]
+    adv, row_mask = u.advantages[rows], mask.bool()
+    carrying = row_mask                                     # the tokens that carry advantage
+    if u.selecting:
+        with u.phases("select"):
+            keep = token_keep[rows] if u.score_first else choose_tokens(c, (logp, entropy, log_sumsq), old, ref, adv, mask,
+                                                                        u.group_ids[rows])
+            adv, carrying = mask_advantages(adv, keep), keep & row_mask
+    with u.phases("update"):
+        is_weights = sampler_weights(u, rows, old, row_mask, first=iteration == 0)
+        loss_t, clipped, kl = per_token_loss(logp, old, adv, ref, beta=c.beta_, eps_low=c.eps_low, eps_high=c.eps_high_,
+                                             is_weights=is_weights)
+        loss = aggregate_loss(loss_t, mask, c.loss_type, c.max_completion_length, u.n_seq, u.n_tok)
+        (loss if u.scaler is None else u.scaler.scale(loss)).backward()
+    u.sums["clipped"] += (clipped & carrying).sum().item(); u.sums["carrying"] += carrying.sum().item()
+    if iteration == 0:
+        u.sums["kl"] += (kl * row_mask).sum().item(); u.sums["entropy"] += (entropy * row_mask).sum().item()
+        u.sums["kept_tokens"] += carrying.sum().item()
+    return loss.item()
+
+# %% ../nbs/41_step.ipynb #a803a45b
+def optimizer_step(u: UpdateBatch, loss_sum: float) -> tuple:
+    "Sum the gradients over processes, unscale, clip, and step unless the loss or gradient is not finite: (loss_sum, grad_norm, stepped)."
+    model, optimizer, scaler, c = u.model, u.optimizer, u.scaler, u.c
+    with u.phases("update"):
+        if dist_info()[1] > 1:      # every process takes the same step: the summed gradient, and the loss of the whole batch
+            loss_sum = all_reduce_sum(loss_sum)
+            for p in ([] if is_sharded(model) else model.parameters()):     # FSDP2 summed the gradient shards in the backward
+                if p.requires_grad and p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
+        params = [p for p in model.parameters() if p.requires_grad]     # (with FSDP2: the shards, after the backward)
+        u.check_stop("before the optimizer step")
+        if scaler is not None: scaler.unscale_(optimizer)       # the summed gradients, back to their true size before clipping
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
+        stepped = bool(math.isfinite(loss_sum) and torch.isfinite(grad_norm))
+        if stepped: optimizer.step() if scaler is None else scaler.step(optimizer)
+        if scaler is not None: scaler.update()          # a skipped step halves the scale, a run of good ones grows it
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, stepped
+
+# %% ../nbs/41_step.ipynb #fb1195fd
+def update_metrics(u: UpdateBatch, loss: float, grad_norm, skipped: int) -> dict:
+    "The update's logged numbers from its running sums (over all processes): loss, kl, entropy, clip_ratio, grad_norm, and the options'."
+    kl, entropy, clipped, carrying, kept_tokens, is_ratio, is_capped = all_reduce_sum(torch.tensor(list(u.sums.values()))).tolist()
+    n_tok = max(u.n_tok, 1)
+    metrics = {"loss": loss, "kl": kl / n_tok, "entropy": entropy / n_tok,
+               "clip_ratio": clipped / max(carrying, 1),          # over the tokens that carry advantage: no other can be clipped
+               "grad_norm": float(grad_norm), "nonfinite_updates": skipped}
+    if u.selecting: metrics["tokens/kept_fraction"] = kept_tokens / n_tok
+    if u.cap: metrics.update({"is/ratio_mean": is_ratio / n_tok, "is/clipped_frac": is_capped / n_tok})
+    if u.scaler is not None: metrics["amp/grad_scale"] = u.scaler.get_scale()
+    return metrics
+
+# %% ../nbs/41_step.ipynb #57b7f8b7
 def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, ref_model=None, phases=None,
            counter=None, should_stop=None) -> dict:
     "Reference pass, old-log-prob pass, then per iteration: (token scoring,) forward, loss and backward per micro-batch, one optimizer step. `should_stop()` true between micro-batches: `StepAbandoned`, before any optimizer step."
-    phases, counter = phases or Phases(), counter if counter is not None else {}
-    mask, N = rollout.completion_mask, len(rollout.completions)
-    group_ids = rollout.group_ids.to(mask.device)
-    device_type = next(model.parameters()).device.type
-    slices = micro_batches(group_ids, mask.shape[1], c.micro_batch_size, device_type)
-    scaler = grad_scaler(optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
-    cap = importance_cap(c, rollout)
-    n_seq, n_tok = all_reduce_sum(N), all_reduce_sum(mask.sum().item())
-    selecting, with_sumsq = c.token_selection != "none", c.token_selection == "logit_grad"
-    def forwarded(rows): counter["forward_rows"] = counter.get("forward_rows", 0) + rows
-    logp_ref = old_stats = logp_old = None
-    if c.beta_:
-        with phases("ref"), reference_context(model, ref_model) as ref:
-            logp_ref = batch_logprobs(ref, rollout, c, slices)[0]
-        forwarded(N)
-    if c.num_iterations > 1:
-        with phases("old_logp"):
-            old_stats = batch_logprobs(model, rollout, c, slices, with_sumsq and selecting)
-            logp_old = old_stats[0]
-        forwarded(N)
-    # scores rank whole groups (the entropy selector: the whole batch); when a micro-batch cannot see that, score in a pass first
-    score_first = selecting and (splits_groups(group_ids, slices) or (c.token_selection == "entropy" and len(slices) > 1))
-    sums = dict.fromkeys(("kl", "entropy", "clipped", "carrying", "kept_tokens", "is_ratio", "is_capped"), 0.0)
-    loss_total, skipped, grad_norm = 0.0, 0, torch.tensor(0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
+    u = UpdateBatch(model, optimizer, rollout, advantages, c, phases or Phases(), counter if counter is not None else {}, should_stop)
+    logp_ref = reference_pass(u, ref_model) if c.beta_ else None
+    old_stats = old_logprob_pass(u) if c.num_iterations > 1 else None
+    logp_old = None if old_stats is None else old_stats[0]
+    loss, skipped, grad_norm = 0.0, 0, torch.tensor(0.0)
     for iteration in range(c.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        token_keep = None
-        if score_first:       # re-scored every iteration: the ratio and the clip indicator move with the policy
-            with phases("select"):
-                if iteration == 0 and old_stats is not None: stats = old_stats       # the same policy: reuse that pass
-                else: stats = batch_logprobs(model, rollout, c, slices, with_sumsq); forwarded(N)
-                token_keep = choose_tokens(c, stats, logp_old, logp_ref, advantages, mask, group_ids)
-        loss_sum = 0.0
-        for rows in slices:
-            if should_stop is not None and should_stop(): raise StepAbandoned("the update stopped between micro-batches")
-            with phases("update"):
-                logp, entropy, log_sumsq = policy_stats(model, rollout, c, rows, with_sumsq and not score_first)
-            forwarded(logp.shape[0])
-            old = logp.detach() if logp_old is None else logp_old[rows]
-            ref = None if logp_ref is None else logp_ref[rows]
-            adv, row_mask = advantages[rows], mask[rows].bool()
-            carrying = row_mask
-            if selecting:
-                with phases("select"):
-                    keep = token_keep[rows] if score_first else choose_tokens(
-                        c, (logp, entropy, log_sumsq), old, ref, adv, mask[rows], group_ids[rows])
-                    adv, carrying = mask_advantages(adv, keep), keep & row_mask
-            with phases("update"):
-                is_weights = None
-                if cap:     # another engine sampled these tokens: weight them by pi_old / pi_sampler, capped
-                    is_weights, capped, ratio = truncated_is_weights(old, rollout.sampler_logprobs[rows], cap, row_mask)
-                    if iteration == 0:
-                        sums["is_ratio"] += ratio[row_mask].sum().item(); sums["is_capped"] += capped[row_mask].sum().item()
-                loss_t, clipped, kl = per_token_loss(logp, old, adv, ref, beta=c.beta_, eps_low=c.eps_low, eps_high=c.eps_high_,
-                                                     is_weights=is_weights)
-                loss = aggregate_loss(loss_t, mask[rows], c.loss_type, c.max_completion_length, n_seq, n_tok)
-                (loss if scaler is None else scaler.scale(loss)).backward()
-            loss_sum += loss.item()
-            sums["clipped"] += (clipped & carrying).sum().item(); sums["carrying"] += carrying.sum().item()
-            if iteration == 0:
-                sums["kl"] += (kl * row_mask).sum().item(); sums["entropy"] += (entropy * row_mask).sum().item()
-                sums["kept_tokens"] += carrying.sum().item()
-        with phases("update"):
-            if dist_info()[1] > 1:      # every process takes the same step: the summed gradient, and the loss of the whole batch
-                loss_sum = all_reduce_sum(loss_sum)
-                for p in ([] if is_sharded(model) else params):     # FSDP2 summed the gradient shards in the backward pass
-                    if p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
-            if is_sharded(model): params = [p for p in model.parameters() if p.requires_grad]    # the shards, after the backward
-            if should_stop is not None and should_stop(): raise StepAbandoned("the update stopped before the optimizer step")
-            if scaler is not None: scaler.unscale_(optimizer)       # the summed gradients, back to their true size before clipping
-            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
-            if math.isfinite(loss_sum) and torch.isfinite(grad_norm): optimizer.step() if scaler is None else scaler.step(optimizer)
-            else: skipped += 1
-            if scaler is not None: scaler.update()          # a skipped step halves the scale, a run of good ones grows it
-            optimizer.zero_grad(set_to_none=True)
-        loss_total += loss_sum / c.num_iterations
-    kl, entropy, clipped, carrying, kept_tokens, is_ratio, is_capped = all_reduce_sum(torch.tensor([sums[k] for k in sums])).tolist()
-    metrics = {"loss": loss_total, "kl": kl / max(n_tok, 1), "entropy": entropy / max(n_tok, 1),
-               "clip_ratio": clipped / max(carrying, 1),          # over the tokens that carry advantage: no other can be clipped
-               "grad_norm": float(grad_norm), "nonfinite_updates": skipped}
-    if selecting: metrics["tokens/kept_fraction"] = kept_tokens / max(n_tok, 1)
-    if cap: metrics.update({"is/ratio_mean": is_ratio / max(n_tok, 1), "is/clipped_frac": is_capped / max(n_tok, 1)})
-    if scaler is not None: metrics["amp/grad_scale"] = scaler.get_scale()
-    return metrics
+        token_keep = token_pass(u, iteration, old_stats, logp_ref) if u.score_first else None
+        loss_sum = sum(micro_batch_pass(u, rows, iteration, logp_old, logp_ref, token_keep) for rows in u.slices)
+        loss_sum, grad_norm, stepped = optimizer_step(u, loss_sum)
+        skipped += not stepped
+        loss += loss_sum / c.num_iterations
+    return update_metrics(u, loss, grad_norm, skipped)

@@ -1,4 +1,4 @@
-"""`train` is the one-step lesson of `19_one_step` repeated: set up once, then a loop of `train_step`, with evaluation, logs and checkpoints around it.
+"""`train` is the one-step lesson of `19_one_step` repeated: set up once, then a loop of `train_step`, with evaluation, logs and checkpoints around it. (The module is longer than 300 lines because the run is told in named pieces, setup, the loop, logging, checkpoints and the evaluations, each with its docstring, rather than as one long function.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
@@ -6,9 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval',
-           'train', 'save_after_step', 'abandon_step', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend',
-           'build_step_tools', 'resume', 'report_step', 'eval_source', 'build_prompt', 'step_seed', 'fit_prompts',
-           'short_questions', 'plot_rewards']
+           'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'run_steps',
+           'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend',
+           'build_step_tools', 'set_up_run', 'resume', 'report_step', 'eval_source', 'build_prompt', 'step_seed',
+           'fit_prompts', 'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, random, sys, time
@@ -114,6 +115,7 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
         checkpoint = prepare_output_dir(out, c, rank)
         return _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop)
 
+# %% ../nbs/44_trainer.ipynb #6114c3d2
 def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state: dict, skipped_update: bool, stopping: bool):
     "Write checkpoint-<done> when due: every `save_every` steps, when stopping, and at the end, where a failed write raises `CheckpointSaveError`. A skipped (NaN/inf) update is not saved, except as the last step: its weights are those the step began with."
     final = done == c.steps
@@ -131,32 +133,46 @@ def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, 
         ck = save_checkpoint(out, step, tools.model, tools.optimizer, tools.scheduler, c, state)
     return stop.abandoned(step + 1, ck if step and ck is not None and ck.exists() else None)
 
-def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop) -> TrainResult:
-    "`train` in an output folder it holds and has prepared, resuming from `checkpoint` (None: from scratch)."
-    torch.manual_seed(c.seed); random.seed(c.seed); np.random.seed(c.seed)
-    data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a model load
-    if model is None: model, tokenizer = load_policy(c)
-    precision = choose_dtype(getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"),
-                             c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
-    data = fit_run_data(tokenizer, c, data)
-    tools = build_step_tools(c, model, tokenizer)
-    copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
-    check_step_memory(tools.model, c, world, copies, warn=rank == 0)     # before any step: refuse what cannot fit, warn what may not
-    if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
-    sampler = getattr(tools.backend, "copy_dtype", None)
-    sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
-    if rank == 0: print(f"precision: {precision.describe()}; sampling from {sampler}")
-    start, state = 0, {"nonfinite_in_a_row": 0, "world_size": world}
-    if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
-    logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
-    evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tokenizer)
-    if c.skip_bad_rows and start == 0:         # what skip_bad_rows dropped, logged once
-        logger.log({"data/skipped_rows": data.skipped, "data/eval_skipped_rows": data.eval_skipped}, 0)
-        if rank == 0: print(f"skip_bad_rows: skipped {data.skipped} training and {data.eval_skipped} held-out row(s)")
-    eval_before = eval_after = {}
-    if data.eval_prompts and c.eval_before and start == 0:
-        eval_before = evaluate_now(); logger.log(eval_before, 0)
-        if rank == 0: print("before training: " + ", ".join(f"{k}={v:.3f}" for k, v in eval_before.items() if isinstance(v, float)))
+# %% ../nbs/44_trainer.ipynb #6041c02d
+@dataclass
+class Run:
+    "What the steps of a run share: the config, the step's tools, the data, the output folder, stop signals, state and logger."
+    c: GRPOConfig
+    tools: StepTools
+    data: "RunData"
+    out: Path
+    stop: StopSignals
+    rank: int
+    world: int
+    state: dict                      # what a checkpoint carries besides weights: nonfinite_in_a_row, world_size, ...
+    logger: MetricsLogger
+    evaluate_now: object             # held-out evaluation of the policy as it is now
+    first_metrics: dict              # logged once, in step 1's row: the run's dtypes and sampler
+
+def eval_line(when: str, metrics: dict) -> str:
+    "An evaluation's float metrics on one line."
+    return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
+
+def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
+    "Count a skipped update, evaluate when due, log and report step `done`, stop after too many skipped updates: (metrics, skipped)."
+    c, state = run.c, run.state
+    metrics = reduce_metrics(result.metrics)
+    skipped_update = bool(result.metrics["nonfinite_updates"])
+    state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
+    if c.eval_every and run.data.eval_prompts and done % c.eval_every == 0 and done < c.steps: metrics.update(run.evaluate_now())
+    if done == 1: metrics.update(run.first_metrics)       # the run's dtypes, once: precision/weights, precision/autocast
+    run.logger.log(metrics, done)
+    if run.rank == 0: report_step(c, bar, done, metrics, result)
+    if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:
+        raise FloatingPointError(f"{state['nonfinite_in_a_row']} updates in a row had a NaN/inf loss or gradient and were "
+                                 f"skipped (step {done}); the last good checkpoint is {latest_checkpoint(run.out)}. "
+                                 "Lower learning_rate or check the reward functions.")
+    return metrics, skipped_update
+
+# %% ../nbs/44_trainer.ipynb #07ee395e
+def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = True) -> list:
+    "Steps `start + 1` to `c.steps` (or `stop_after`): `train_step`, then logging, evaluation and checkpoints; the logged rows."
+    c, tools, stop, out, rank, world = run.c, run.tools, run.stop, run.out, run.rank, run.world
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
     per_rank = n_prompts // world
     counter, rows = {}, []
@@ -164,36 +180,58 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     step, stop.defer = start, True        # from here a first SIGINT/SIGTERM lets the step end and be saved
     try:
         for step in bar:
-            records = tasks_for_step(data.train_tasks, step, n_prompts, c.seed)[rank * per_rank:(rank + 1) * per_rank]
+            records = tasks_for_step(run.data.train_tasks, step, n_prompts, c.seed)[rank * per_rank:(rank + 1) * per_rank]
             rng = rng_state() if world == 1 else None           # what a checkpoint of the last step holds, if this one is abandoned
             try: result = train_step(c, tools, records, step_seed(c.seed, step) + rank, counter)
-            except StepAbandoned: raise abandon_step(stop, c, tools, out, step, state, rng) from None
-            metrics, done = reduce_metrics(result.metrics), step + 1
-            skipped_update = bool(result.metrics["nonfinite_updates"])
-            state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
-            if c.eval_every and data.eval_prompts and done % c.eval_every == 0 and done < c.steps: metrics.update(evaluate_now())
-            if done == 1: metrics.update(precision.metrics(), **{"precision/sampler": sampler})       # the run's dtypes, once: precision/weights, precision/autocast
-            logger.log(metrics, done); rows.append({"step": done, **metrics})
-            if rank == 0: report_step(c, bar, done, metrics, result)
-            if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:
-                raise FloatingPointError(f"{state['nonfinite_in_a_row']} updates in a row had a NaN/inf loss or gradient and were "
-                                         f"skipped (step {done}); the last good checkpoint is {latest_checkpoint(out)}. "
-                                         "Lower learning_rate or check the reward functions.")
+            except StepAbandoned: raise abandon_step(stop, c, tools, out, step, run.state, rng) from None
+            done = step + 1
+            metrics, skipped_update = log_step(run, done, result, bar)
+            rows.append({"step": done, **metrics})
             stopping = stop.requested()
-            if rank == 0 or is_sharded(tools.model): save_after_step(c, tools, out, done, state, skipped_update, stopping)
+            if rank == 0 or is_sharded(tools.model): save_after_step(c, tools, out, done, run.state, skipped_update, stopping)
             if stopping: raise stop.stopped_after(done)
             if stop_after is not None and done >= stop_after: break
     except KeyboardInterrupt as e:           # e.g. raised by a reward function: say where the run can resume from
         if isinstance(e, TrainingInterrupted): raise
         raise TrainingInterrupted(f"interrupted in step {step + 1}; {where_to_resume(latest_checkpoint(out))}") from None
     finally:
-        stop.defer = False; logger.close(); bar.close()
-    if data.eval_prompts and (stop_after is None or stop_after >= c.steps):
-        eval_after = evaluate_now()
-        logger_after = MetricsLogger(out, ("jsonl",), resume_step=10**9, enabled=rank == 0)
-        logger_after.log(eval_after, c.steps); logger_after.close()
-        if rank == 0: print("after training: " + ", ".join(f"{k}={v:.3f}" for k, v in eval_after.items() if isinstance(v, float)))
-    return TrainResult(out, rows, eval_before, eval_after, tools.model, tokenizer, tools.backend)
+        stop.defer = False; run.logger.close(); bar.close()
+    return rows
+
+# %% ../nbs/44_trainer.ipynb #c510acce
+def eval_before_training(run: Run, start: int) -> dict:
+    "Log what skip_bad_rows dropped and evaluate the policy before its first step (a fresh run only): the metrics, or {}."
+    c, data, rank = run.c, run.data, run.rank
+    if c.skip_bad_rows and start == 0:         # what skip_bad_rows dropped, logged once
+        run.logger.log({"data/skipped_rows": data.skipped, "data/eval_skipped_rows": data.eval_skipped}, 0)
+        if rank == 0: print(f"skip_bad_rows: skipped {data.skipped} training and {data.eval_skipped} held-out row(s)")
+    if not (data.eval_prompts and c.eval_before and start == 0): return {}
+    metrics = run.evaluate_now(); run.logger.log(metrics, 0)
+    if rank == 0: print(eval_line("before training", metrics))
+    return metrics
+
+def eval_after_training(run: Run, stop_after: int = None) -> dict:
+    "Evaluate the trained policy (unless the run stopped early) and log it after the last step: the metrics, or {}."
+    if not (run.data.eval_prompts and (stop_after is None or stop_after >= run.c.steps)): return {}
+    metrics = run.evaluate_now()
+    logger_after = MetricsLogger(run.out, ("jsonl",), resume_step=10**9, enabled=run.rank == 0)
+    logger_after.log(metrics, run.c.steps); logger_after.close()
+    if run.rank == 0: print(eval_line("after training", metrics))
+    return metrics
+
+def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop) -> TrainResult:
+    "`train` in an output folder it holds and has prepared, resuming from `checkpoint` (None: from scratch)."
+    torch.manual_seed(c.seed); random.seed(c.seed); np.random.seed(c.seed)
+    data, tools, first_metrics = set_up_run(c, model, tokenizer, rank, world, stop)
+    start, state = 0, {"nonfinite_in_a_row": 0, "world_size": world}
+    if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
+    logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
+    evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer)
+    run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
+    eval_before = eval_before_training(run, start)
+    rows = run_steps(run, start, stop_after, progress)
+    eval_after = eval_after_training(run, stop_after)
+    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend)
 
 # %% ../nbs/44_trainer.ipynb #28d09f65
 @dataclass
@@ -252,6 +290,24 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (c.warmup_steps + 1)))
     return StepTools(model, tokenizer, optimizer, scheduler, backend, reward_funcs, ref_model, embedder)
 
+# %% ../nbs/44_trainer.ipynb #471c197a
+def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: StopSignals) -> tuple:
+    "Data, model and the step's tools, checked to fit in memory, the precision line printed: (data, tools, first step's metrics)."
+    data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a model load
+    if model is None: model, tokenizer = load_policy(c)
+    precision = choose_dtype(getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"),
+                             c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
+    data = fit_run_data(tokenizer, c, data)
+    tools = build_step_tools(c, model, tokenizer)
+    copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
+    check_step_memory(tools.model, c, world, copies, warn=rank == 0)     # before any step: refuse what cannot fit, warn what may not
+    if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
+    sampler = getattr(tools.backend, "copy_dtype", None)
+    sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
+    if rank == 0: print(f"precision: {precision.describe()}; sampling from {sampler}")
+    return data, tools, {**precision.metrics(), "precision/sampler": sampler}
+
+# %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:
     "(step, trainer state) from a verified checkpoint, its weights, optimizer, schedule and RNG states restored."
     state = load_checkpoint(checkpoint, tools.model, tools.optimizer, tools.scheduler, verify=False)    # verified already

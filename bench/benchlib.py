@@ -156,3 +156,44 @@ def common_args(ap, quick_help: str = "small settings on the tiny random model: 
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="result JSON path (default bench/results/<name>[_quick].json)")
     return ap
+
+
+class BaselineWorker:
+    """One arm of a benchmark run by the package as it was at an earlier commit, in a process of its own, side by side with the
+    current code: `git archive REF` is unpacked into a temporary folder and `python SCRIPT --baseline-worker ...` runs with that
+    folder first on sys.path. The script's worker answers one JSON line per `run()` call (a timed round), so rounds stay
+    interleaved with the other arms and only one process computes at a time."""
+    def __init__(self, ref: str, script: str, args: list):
+        self.ref = subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        self.dir = tempfile.mkdtemp(prefix=f"mmrgrpo-{self.ref}-")
+        tar = subprocess.run(["git", "archive", self.ref], cwd=REPO, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", self.dir], input=tar, check=True)
+        env = {**os.environ, "PYTHONPATH": self.dir + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, script, "--baseline-worker", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=self.dir)
+        ready = self._read()
+        if ready.get("package") != self.dir: raise RuntimeError(f"the baseline worker imported mmrgrpo from {ready.get('package')}")
+
+    def _read(self) -> dict:
+        "The worker's next JSON line (other lines it prints pass through to our stdout)."
+        while True:
+            line = self.proc.stdout.readline()
+            if not line: raise RuntimeError(f"the baseline worker at {self.ref} exited (code {self.proc.wait()})")
+            if line.startswith("{"): return json.loads(line)
+            print(f"  [{self.ref}] {line.rstrip()}", flush=True)
+
+    def run(self, **kw) -> dict:
+        self.proc.stdin.write(json.dumps(kw) + "\n"); self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        if self.proc.poll() is None: self.proc.stdin.close(); self.proc.wait(timeout=60)
+        import shutil; shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def serve_baseline(handle):
+    "The worker side of `BaselineWorker`: say where mmrgrpo was imported from, then answer `handle(request)` per stdin line."
+    import mmrgrpo
+    print(json.dumps({"package": str(Path(mmrgrpo.__file__).resolve().parents[1])}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(handle(json.loads(line)), default=_jsonable), flush=True)

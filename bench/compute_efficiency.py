@@ -6,8 +6,16 @@ tokens x 576 @ 576 x 576 for the attention projections, and a 1024-row chunk of 
 dtype is its best shape. Each number is a median of `--repeats` timings of a loop lasting >= 0.3 s.
 
 Part 2 samples one rollout with the fixed config (SmolLM2-135M-Instruct + LoRA r=16 on all seven projections, G=8 x 8 prompts,
-48 new tokens, beta=0.04, no token selection, prompt sharing on) and times the trainer's `update` on it with
-`autocast_bf16` off and on, interleaved, each from the same initial LoRA weights and a fresh AdamW.
+48 new tokens, beta=0.04, no token selection, prompt sharing on) and times the trainer's `update` on it, each arm from the same
+initial LoRA weights with a fresh AdamW, interleaved. The process keeps freed memory for reuse (`keep_freed_memory`, as the
+trainer does on a CPU). Arms, the first four in micro-batches of 16 completions (the bench config's):
+- `fp32`: no autocast;
+- `bf16 autocast, plain head`: bf16 autocast, the head's log-probs by autograd through a checkpointed chunk (17a_logprobs);
+- `bf16 autocast`: the head in closed form (`fused_head`, 34_fast_update);
+- `bf16 base`: and the frozen base stored in bf16 (`bf16_base`);
+- `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`);
+- `fp32@REF`, `bf16 autocast@REF` (with `--baseline-ref REF`): the update as the package was at commit REF, on the same rollout
+  and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
 FLOP count of the update phase (multiply-add = 2 FLOPs; counted on the padded tensors the model actually computes):
 - tokens through the decoder body per pass: with prompt sharing, (N/G) x P for the prompts plus N x (T-1) for the
@@ -96,12 +104,40 @@ def update_flops(pc: dict, rows: int, group: int, P: int, T: int, share: bool, b
             "parts_forward": {"linear_base": lin_base, "linear_lora": lin_lora, "attention": attn, "head": head}}
 
 
+def baseline_worker(args):
+    "Under the package of `--baseline-ref`: the update on the main process's rollout, from its initial LoRA weights, per request."
+    import torch
+    import mmrgrpo.trainer as tr
+    from mmrgrpo.config import load_config
+    from mmrgrpo.models import load_policy, trainable_parameters
+    from mmrgrpo.sampling import Rollout
+    c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
+                                               output_dir="runs/bench_compute", threads=args.threads))
+    model, _ = load_policy(c)
+    params = trainable_parameters(model)
+    def one(request):
+        shared = torch.load(request["shared"], weights_only=False)
+        ro, adv = Rollout(**shared["rollout"]), shared["advantages"]
+        with torch.no_grad():
+            for n, p in params.items(): p.copy_(shared["init"][n])
+        opt = torch.optim.AdamW(list(params.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
+        cfg = dataclasses.replace(c, autocast_bf16=request["arm"] != "fp32", micro_batch_size=16 if not args.quick else 0)
+        ph = tr.Phases()
+        t0 = time.perf_counter()
+        m = tr.update(model, opt, ro, adv, cfg, None, ph, {})
+        return {"total": time.perf_counter() - t0, "times": dict(ph.t), "loss": m["loss"]}
+    bl.serve_baseline(one)
+
+
 def main(argv=None):
     ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--repeats", type=int, default=None, help="timings per matmul shape and per update arm (default 3; --quick 2)")
     ap.add_argument("--warmup", type=int, default=1, help="unrecorded update rounds first")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    ap.add_argument("--baseline-ref", default=None, help="also time the update (fp32, bf16 autocast) as the package was at this commit")
+    ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.baseline_worker: return baseline_worker(args)
     bl.set_threads(args.threads)
     meta = bl.start_meta()
     import torch
@@ -111,6 +147,9 @@ def main(argv=None):
     from mmrgrpo.models import load_policy, trainable_parameters
     from mmrgrpo.verifier_pool import get_reward_funcs
     from mmrgrpo.advantages import group_advantages
+    from mmrgrpo.fast_update import bf16_frozen_base, keep_freed_memory
+    import copy, tempfile
+    kept = keep_freed_memory()          # as the trainer does on a CPU (34_fast_update); the old code's arms run without it
     repeats = args.repeats or (2 if args.quick else 3)
     c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
                                                output_dir="runs/bench_compute", threads=args.threads))
@@ -145,23 +184,46 @@ def main(argv=None):
     peak = {dt: max(v[dt]["median"] for v in mm.values()) for dt in ("fp32", "bf16")}
     print(f"peak (best shape): fp32 {peak['fp32']:.1f} GFLOP/s, bf16 {peak['bf16']:.1f} GFLOP/s")
 
-    # ---- part 2: the update phase, fp32 vs bf16 autocast
+    # ---- part 2: the update phase, its arms interleaved (34_fast_update's switches one at a time, and the old code)
     params = trainable_parameters(model)
     init = {n: p.detach().clone() for n, p in params.items()}
-    arms = {"fp32": dataclasses.replace(c, autocast_bf16=False), "bf16 autocast": dataclasses.replace(c, autocast_bf16=True)}
+    base16 = copy.deepcopy(model)                       # the same policy with its frozen base stored in bf16
+    bf16_frozen_base(base16)
+    p16 = trainable_parameters(base16)
+    mb = dict(micro_batch_size=16 if not args.quick else 0)    # the bench config's passes; `bf16 base, auto passes` drops it
+    arms = {"fp32": (model, dataclasses.replace(c, autocast_bf16=False, **mb)),
+            "bf16 autocast, plain head": (model, dataclasses.replace(c, autocast_bf16=True, fused_head=False, **mb)),
+            "bf16 autocast": (model, dataclasses.replace(c, autocast_bf16=True, **mb)),
+            "bf16 base": (base16, dataclasses.replace(c, autocast_bf16=True, **mb)),
+            "bf16 base, auto passes": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0))}
+    worker = None
+    if args.baseline_ref:
+        with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f: shared = f.name
+        torch.save({"rollout": {k: getattr(ro, k) for k in ("prompts", "completions", "prompt_ids", "prompt_mask", "completion_ids",
+                                                           "completion_mask", "group_size")}, "advantages": adv, "init": init}, shared)
+        worker = bl.BaselineWorker(args.baseline_ref, __file__, ["--threads", str(args.threads), *(["--quick"] if args.quick else []),
+                                                                   *(["--set", *args.set] if args.set else [])])
+        for name in ("fp32", "bf16 autocast"): arms[f"{name}@{worker.ref}"] = None
     raw = {k: [] for k in arms}
     for rep, name in bl.interleaved(list(arms), args.warmup + repeats):
-        with torch.no_grad():
-            for n, p in params.items(): p.copy_(init[n])
-        opt = torch.optim.AdamW(list(params.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
-        ph = tr.Phases()
-        t0 = time.perf_counter()
-        m = tr.update(model, opt, ro, adv, arms[name], None, ph, {})
-        total = time.perf_counter() - t0
-        print(f"  {'warm-up' if rep < args.warmup else f'round {rep - args.warmup + 1}'} {name:14s} {total:6.2f}s  " +
-              " ".join(f"{k}={v:.2f}" for k, v in ph.t.items()), flush=True)
+        if arms[name] is None:
+            rec = worker.run(arm=name.split("@")[0], shared=shared)
+            total, times, loss = rec["total"], rec["times"], rec["loss"]
+        else:
+            net, cfg = arms[name]
+            ps = p16 if net is base16 else params
+            with torch.no_grad():
+                for n, p in ps.items(): p.copy_(init[n])
+            opt = torch.optim.AdamW(list(ps.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
+            ph = tr.Phases()
+            t0 = time.perf_counter()
+            m = tr.update(net, opt, ro, adv, cfg, None, ph, {})
+            total, times, loss = time.perf_counter() - t0, dict(ph.t), m["loss"]
+        print(f"  {'warm-up' if rep < args.warmup else f'round {rep - args.warmup + 1}'} {name:28s} {total:6.2f}s  " +
+              " ".join(f"{k}={v:.2f}" for k, v in times.items()), flush=True)
         if rep >= args.warmup:
-            raw[name].append({"total": total, **{f"time/{k}": v for k, v in ph.t.items()}, "loss": m["loss"]})
+            raw[name].append({"total": total, **{f"time/{k}": v for k, v in times.items()}, "loss": loss})
+    if worker is not None: worker.close(); Path(shared).unlink()
     upd_rows = []
     for name, xs in raw.items():
         t = bl.median([x["total"] for x in xs])
@@ -175,15 +237,16 @@ def main(argv=None):
                          "ref_GFLOPs": flops["ref_forward"] / t_ref / 1e9 if t_ref else None,
                          "policy_GFLOPs": (flops["policy_forward"] + flops["backward"]) / t_pol / 1e9 if t_pol else None,
                          "conventional_frac_of_own_peak": flops["conventional_total"] / t / (peak[dt] * 1e9)})
-    upd_rows[1]["time_ratio_vs_fp32"] = upd_rows[1]["update_phase_s"] / upd_rows[0]["update_phase_s"]
+    for r in upd_rows: r["time_ratio_vs_fp32"] = r["update_phase_s"] / upd_rows[0]["update_phase_s"]
     print(f"\nupdate phase on {N} completions (prompt width {P}, completion width {T}, prompt sharing {share}, beta {c.beta_}): "
           f"{flops['total'] / 1e12:.3f} TFLOP counted ({flops['conventional_total'] / 1e12:.3f} conventional)")
     print(bl.table(upd_rows, ["arm", "update_phase_s", "ref_s", "policy_s", "GFLOPs_achieved", "frac_of_own_peak",
                               "frac_of_fp32_peak", "ref_GFLOPs", "policy_GFLOPs"],
                    {"update_phase_s": ".2f", "ref_s": ".2f", "policy_s": ".2f", "GFLOPs_achieved": ".1f",
                     "frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%", "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
-    print(f"bf16 autocast / fp32 update time: {upd_rows[1]['time_ratio_vs_fp32']:.2f}")
-    out = {"name": "compute_efficiency", "quick": args.quick, "config": dataclasses.asdict(c), "repeats": repeats,
+    print("update time / fp32's: " + ", ".join(f"{r['arm']} {r['time_ratio_vs_fp32']:.2f}" for r in upd_rows))
+    out = {"name": "compute_efficiency", "quick": args.quick, "baseline_ref": worker.ref if worker else None,
+           "keep_freed_memory": kept, "config": dataclasses.asdict(c), "repeats": repeats,
            "matmul": {"shapes": {k: list(v) for k, v in shapes.items()}, "gflops": mm, "peak_gflops": peak},
            "model": pc, "rollout": {"rows": N, "prompt_width": P, "completion_width": T, "prompt_sharing": share,
                                     "valid_tokens": int(ro.completion_mask.sum())},

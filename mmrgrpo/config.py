@@ -39,6 +39,7 @@ class GRPOConfig:
     trust_remote_code: bool = _f(False, "run Python code a model ships (auto_map) for the policy, tokenizer, embedder and vLLM; false: refuse such a model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "the policy's weights: 'auto' (float32 on a CPU and for full fine-tuning; a GPU's 16-bit dtype for a frozen base) or a dtype")
     autocast_bf16: typing.Union[bool, Literal["auto"]] = _f("auto", "autocast the update: true = bf16, false = off, 'auto' = where the hardware runs bf16 fast; the loss stays float32")
+    bf16_base: typing.Union[bool, Literal["auto"]] = _f("auto", "store a LoRA base's frozen linear weights in bf16 (needs bf16 autocast); 'auto': on a CPU where autocast is bf16")
     lora: bool = _f(True, "train a LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r)")
@@ -65,6 +66,7 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling threshold")
     generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers generate) or 'vllm' (GPU, optional extra)")
     sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f("auto", "hf backend: sample from a merged copy of the policy in this dtype; 'auto': bf16 where fast, else fp32; 'policy': none")
+    fused_decode: typing.Union[bool, Literal["auto"]] = _f("auto", "decode the sampling copy with fused, packed matmuls over a static cache; 'auto': where the model's layout allows (CPU)")
     vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory the colocated vLLM engine may take")
     vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update (frees GPU memory); null: on with CUDA, off on a CPU (CUDA-only)")
     # --- optimisation and loss
@@ -81,6 +83,8 @@ class GRPOConfig:
     tis_cap: Optional[float] = _f(None, "cap of the importance weight pi_learner / pi_sampler per token; null: 2.0 with vLLM, off with hf; 0: off")
     share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
+    fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: autograd through a checkpointed chunk")
+    keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; 'auto': on CPU runs")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
     reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or 'package.module:function' (imported, so its code runs)")
@@ -251,6 +255,12 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
     bad = set(c.log_with) - {"jsonl", "tensorboard", "trackio", "wandb"}
     need(not bad, f"log_with has unknown sinks {sorted(bad)}: use jsonl, tensorboard, trackio, wandb")
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")
+    need(not (c.bf16_base is True and (not c.lora or c.load_in_4bit or c.autocast_bf16 is False)), f"bf16_base=true with "
+         f"lora={c.lora}, load_in_4bit={c.load_in_4bit}, autocast_bf16={c.autocast_bf16}: a bf16 base needs a LoRA adapter over "
+         "16/32-bit weights and bf16 autocast; set bf16_base=auto")
+    need(not (c.fused_decode is True and (c.generation_backend != "hf" or c.sampler_dtype == "policy")), f"fused_decode=true "
+         f"with generation_backend={c.generation_backend}, sampler_dtype={c.sampler_dtype}: the fused decoder runs the hf "
+         "backend's merged sampling copy; set fused_decode=auto")
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
     need(not (c.overwrite and c.resume_from), f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
 

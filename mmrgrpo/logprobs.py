@@ -30,6 +30,7 @@ def token_stats(hidden: torch.Tensor,         # (N, T, D) final hidden states at
                 temperature: float = 1.0,     # sampling temperature: logits are divided by it
                 chunk_size: int = 1024,       # rows (tokens) per chunk: peak memory ~ chunk_size x vocab floats
                 with_sumsq: bool = False,     # also return log sum_j p_j^2 (for the logit_grad selector)
+                chunk_fn=None,                # (h, targets, lm_head, temperature, with_sumsq) -> one chunk's stats; None: the checkpointed `_chunk_stats`
                ) -> tuple:                    # logp (N, T) with grad, entropy (N, T), log_sumsq (N, T) or None
     "Per-token log-probs (differentiable), entropies and optionally log sum p^2, never materialising more than one chunk of logits."
     N, T, D = hidden.shape
@@ -37,8 +38,9 @@ def token_stats(hidden: torch.Tensor,         # (N, T, D) final hidden states at
     outs = []
     for i in range(0, N * T, chunk_size):
         args = (h[i:i + chunk_size], y[i:i + chunk_size], lm_head, temperature, with_sumsq)
-        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad
-                    else _chunk_stats(*args))
+        if chunk_fn is not None: outs.append(chunk_fn(*args))
+        else: outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad
+                          else _chunk_stats(*args))
     logp, ent, lsq = (torch.cat(o).reshape(N, T) for o in zip(*outs))
     return logp, ent.detach(), (lsq.detach() if with_sumsq else None)
 
@@ -65,7 +67,8 @@ def _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, complet
 
 def completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                      temperature: float = 1.0, chunk_size: int = 1024, with_sumsq: bool = False,
-                     group_size=1):  # rows share their prompt in groups: G (int), or (N,) group ids; each prompt runs once
+                     group_size=1,   # rows share their prompt in groups: G (int), or (N,) group ids; each prompt runs once
+                     chunk_fn=None): # `token_stats`'s chunk function (None: the checkpointed chunk above)
     "Per-token (logp, entropy, log_sumsq) of `completion_ids` (N, T) given left-padded `prompt_ids` (N, P) under `model`."
     body = model.get_decoder()
     N, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
@@ -78,4 +81,4 @@ def completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, P - 1:P + T - 1]
     return token_stats(hidden, completion_ids, model.get_output_embeddings(),
-                       temperature=temperature, chunk_size=chunk_size, with_sumsq=with_sumsq)
+                       temperature=temperature, chunk_size=chunk_size, with_sumsq=with_sumsq, chunk_fn=chunk_fn)

@@ -28,6 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
+from .fast_update import update_positions, fused_chunk_stats
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -78,20 +79,21 @@ def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int =
     return rollout.select(keep), advantages[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
 # %% ../nbs/41_step.ipynb #8984ee1d
-CPU_MICRO_BATCH_POSITIONS = 1024
+CPU_MICRO_BATCH_POSITIONS = 1024          # fp32; `34_fast_update`'s `micro_batch_positions` gives it by dtype
 
 def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group's rows next to each other
                   width: int,               # completion length T (positions per row)
                   size: int = 0,            # rows per pass; 0: automatic
                   device_type: str = "cpu",
+                  positions: int = CPU_MICRO_BATCH_POSITIONS,   # completion positions per pass on a CPU (automatic size)
                  ) -> list:                 # row slices covering 0..N
-    "Row slices for the forward/backward passes: `size` rows each; automatic: all rows on a GPU, whole groups within ~1024 positions on a CPU."
+    "Row slices for the forward/backward passes: `size` rows each; automatic: all rows on a GPU, whole groups within `positions` on a CPU."
     n = len(group_ids)
     if size: return [slice(i, min(i + size, n)) for i in range(0, n, size)]
     if device_type != "cpu": return [slice(0, n)]
     slices, start, end = [], 0, 0
     for run in group_runs(group_ids).tolist():
-        if end > start and (end + run - start) * width > CPU_MICRO_BATCH_POSITIONS:
+        if end > start and (end + run - start) * width > positions:
             slices.append(slice(start, end)); start = end
         end += run
     return slices + [slice(start, end)]
@@ -116,14 +118,14 @@ def _bytes(tensors) -> int: return sum(t.numel() * t.element_size() for t in ten
 
 def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=()) -> dict:
     "A step's memory in bytes by part (the formula above), from the model's shape and `c`; `copies`: other models the run holds."
-    cfg, params = model.config, list(model.parameters())
+    cfg, params, kind = model.config, list(model.parameters()), next(model.parameters()).device.type
     h, L, V, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.num_attention_heads
     kv, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or h // heads
-    a = 2 if choose_dtype(params[0].device.type, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
+    a = 2 if choose_dtype(kind, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
     G, T, S = c.num_generations, c.max_completion_length, c.max_prompt_length + c.max_completion_length
     rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
     group_ids = torch.arange(rows // G).repeat_interleave(G)
-    mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, params[0].device.type))
+    mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, kind, update_positions(c, kind)))
     kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
     parts = {"weights": _bytes(params) + sum(_bytes(m.parameters()) for m in copies if m is not None),
              "optimizer": 12 * sum(p.numel() for p in params if p.requires_grad),
@@ -176,8 +178,7 @@ def grad_scaler(optimizer, device_type: str, dtype):
     return _SCALERS[optimizer]
 
 # %% ../nbs/41_step.ipynb #b4a9f71c
-def _rows(rollout: Rollout, rows):
-    return rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows], rollout.completion_mask[rows]
+def _rows(rollout: Rollout, rows): return rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows], rollout.completion_mask[rows]
 
 def _autocast(model, c: GRPOConfig):
     return autocast(c.autocast_bf16, model.device.type)
@@ -191,7 +192,7 @@ def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool 
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
     with _autocast(model, c):
         return completion_stats(model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size,
-                                with_sumsq=with_sumsq, group_size=prompt_groups(c, rollout, rows))
+                                with_sumsq=with_sumsq, group_size=prompt_groups(c, rollout, rows), chunk_fn=fused_chunk_stats if c.fused_head else None)
 
 @torch.no_grad()
 def batch_logprobs(model, rollout: Rollout, c: GRPOConfig, slices: list, with_sumsq: bool = False) -> tuple:
@@ -228,7 +229,7 @@ class UpdateBatch:
         c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)     # mask (N, T)
         self.group_ids = self.rollout.group_ids.to(self.mask.device)
         device_type = next(self.model.parameters()).device.type
-        self.slices = micro_batches(self.group_ids, self.mask.shape[1], c.micro_batch_size, device_type)
+        self.slices = micro_batches(self.group_ids, self.mask.shape[1], c.micro_batch_size, device_type, update_positions(c, device_type))
         self.scaler = grad_scaler(self.optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
         self.cap = importance_cap(c, self.rollout)
         self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.mask.sum().item())

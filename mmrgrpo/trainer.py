@@ -8,8 +8,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval',
            'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'run_steps',
            'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend',
-           'build_step_tools', 'set_up_run', 'resume', 'report_step', 'eval_source', 'build_prompt', 'step_seed',
-           'fit_prompts', 'short_questions', 'plot_rewards']
+           'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source', 'build_prompt',
+           'step_seed', 'fit_prompts', 'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, random, sys, time
@@ -26,11 +26,13 @@ from .verifier_pool import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
 from .sampler_copy import sampler_dtype, CopyBackend
+from .fused_decode import FusedBackend, fused_support
 from .kvcache import reserve_cache
 from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info
-from .runlog import Phases, MetricsLogger, read_metrics
+from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb
+from .fast_update import keep_freed_memory, wants_bf16_base, bf16_frozen_base
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state)
 from .signals import StopSignals
@@ -74,7 +76,9 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
     tools.backend.sync_weights(tools.model)
     for m in (reweight_metrics, rollout_metrics(rollout, rewards), prune_metrics, update_metrics, phases.metrics()):
         metrics.update(m)
-    metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0]})
+    metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0],
+                    # the whole run's peak so far (loading and evaluation too); the kernel's count can lag the sampler's by a page
+                    "memory/process_peak": max(process_peak_rss_mb(), metrics.get("memory/peak", 0.0))})
     return StepResult(metrics, rollout, rewards, advantages)
 
 # %% ../nbs/44_trainer.ipynb #0eccd1c2
@@ -98,9 +102,12 @@ class TrainResult:
     backend: object = None   # the generation backend (e.g. to measure a vLLM engine's log-prob gap after training)
 
 def run_eval(backend, eval_prompts, eval_answers, c, tokenizer):
-    "Held-out evaluation with the config's lengths, samples and sampling settings."
-    return evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length, n_samples=c.eval_samples,
-                    temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99)
+    "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak resident memory (memory/eval, MB)."
+    phases = Phases()
+    with phases("eval"):
+        metrics = evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length, n_samples=c.eval_samples,
+                           temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99)
+    return {**metrics, **{k: v for k, v in phases.metrics().items() if k == "memory/eval"}}
 
 # %% ../nbs/44_trainer.ipynb #c763d1e5
 def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop_after: int = None) -> TrainResult:
@@ -113,7 +120,9 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
     check_output_dir(out)
     with output_dir_lock(out, enabled=rank == 0), StopSignals(out) as stop:
         checkpoint = prepare_output_dir(out, c, rank)
-        return _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop)
+        try: return _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop)
+        finally:      # keeping freed memory (34_fast_update) is this run's setting, not the whole process's
+            if c.keep_freed_memory is not False: keep_freed_memory(False)
 
 # %% ../nbs/44_trainer.ipynb #6114c3d2
 def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state: dict, skipped_update: bool, stopping: bool):
@@ -151,7 +160,7 @@ class Run:
 
 def eval_line(when: str, metrics: dict) -> str:
     "An evaluation's float metrics on one line."
-    return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
+    return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if isinstance(v, float) and k.startswith("eval/"))
 
 def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
     "Count a skipped update, evaluate when due, log and report step `done`, stop after too many skipped updates: (metrics, skipped)."
@@ -265,14 +274,18 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
                    [t["answer"] for t in eval_tasks])
 
 def make_backend(c: GRPOConfig, model, tokenizer):
-    "The generation backend the config asks for: transformers (on the policy or its merged copy, 31_sampler_copy) or vLLM."
+    "The generation backend the config asks for: transformers (on the policy, its merged copy, or that copy fused: 31a) or vLLM."
     if c.generation_backend == "vllm":
         from mmrgrpo.vllm_backend import VLLMBackend
         return VLLMBackend(model, tokenizer, c)
     copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
     kw = dict(max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt, cache_room=reserve_cache)
+    why = "no merged sampling copy here (a GPU, a 4-bit or sharded policy)" if copy_dtype is None else \
+          "fused_decode=false" if c.fused_decode is False else fused_support(model)
+    if why and c.fused_decode is True: raise ConfigError(f"fused_decode=true: the fused decoder cannot run: {why}; set fused_decode=auto")
     if copy_dtype is None: return HFBackend(model, tokenizer, **kw)
-    return CopyBackend(model, tokenizer, copy_dtype=copy_dtype, record_logprobs=c.tis_cap_ > 0, **kw)
+    kw.update(copy_dtype=copy_dtype, record_logprobs=c.tis_cap_ > 0)
+    return CopyBackend(model, tokenizer, **kw) if why else FusedBackend(model, tokenizer, **kw)
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
@@ -295,17 +308,27 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     "Data, model and the step's tools, checked to fit in memory, the precision line printed: (data, tools, first step's metrics)."
     data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a model load
     if model is None: model, tokenizer = load_policy(c)
-    precision = choose_dtype(getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"),
-                             c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
+    device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
     data = fit_run_data(tokenizer, c, data)
+    speed = speed_settings(c, model, device)       # 34_fast_update: the allocator and a bf16 base, before the sampler copies it
     tools = build_step_tools(c, model, tokenizer)
     copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
     check_step_memory(tools.model, c, world, copies, warn=rank == 0)     # before any step: refuse what cannot fit, warn what may not
     if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
     sampler = getattr(tools.backend, "copy_dtype", None)
     sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
-    if rank == 0: print(f"precision: {precision.describe()}; sampling from {sampler}")
-    return data, tools, {**precision.metrics(), "precision/sampler": sampler}
+    if isinstance(tools.backend, FusedBackend): sampler += " (fused decoder)"
+    if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}")
+    return data, tools, {**precision.metrics(), "precision/sampler": sampler, **speed}
+
+def speed_settings(c: GRPOConfig, model, device) -> dict:
+    "Apply `34_fast_update`'s settings of the process and the weights that the config asks for; what was applied, for the first metrics row."
+    kept = torch.device(device).type == "cpu" and c.keep_freed_memory is not False and keep_freed_memory()
+    if c.keep_freed_memory is True and not kept: print("keep_freed_memory=true: no glibc mallopt here; memory is handled as usual", file=sys.stderr)
+    if wants_bf16_base(c, device): bf16_frozen_base(model)
+    base = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2} - {torch.float32}
+    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), "allocator/keep_freed": bool(kept)}
 
 # %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:
@@ -326,7 +349,8 @@ def report_step(c: GRPOConfig, bar, done: int, metrics: dict, result: StepResult
     tqdm.write(f"step {done}/{c.steps} reward={metrics['reward']:.3f} acc={metrics.get('rewards/accuracy_reward', float('nan')):.3f} "
                f"len={metrics['completion_length']:.1f} kl={metrics['kl']:.4f} loss={metrics['loss']:.4f} "
                f"step_time={metrics['time/step']:.1f}s"
-               + (f" peak_mem={metrics['memory/peak'] / 1024:.1f}GB" if "memory/peak" in metrics else ""))
+               + (f" peak_mem={metrics['memory/peak'] / 1024:.1f}GB" if "memory/peak" in metrics else "")
+               + (f" (process {metrics['memory/process_peak'] / 1024:.1f}GB)" if "memory/process_peak" in metrics else ""))
     if c.log_completions_every and done % c.log_completions_every == 0:
         tqdm.write(completions_table(result.rollout, result.rewards, result.advantages))
 

@@ -39,9 +39,9 @@ def reference(model, tok, backend, prompts, G, max_new_tokens):
 
 
 def count_forward_rows(model):
-    "A list that collects the batch size of every forward call of `model` (and the hook handle)."
+    "A list that collects the batch size of every forward call of `model`'s body, prefill included (and the hook handle)."
     rows = []
-    h = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    h = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     return rows, h
 
 

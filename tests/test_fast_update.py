@@ -1,0 +1,133 @@
+"""The update's speed settings (`34_fast_update`) change how, not what, it computes: the closed-form head gives the checkpointed
+chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches follow the update's dtype, and a run
+records what it applied and the whole process's peak memory."""
+import dataclasses, tempfile
+import pytest, torch
+from mmrgrpo.config import ConfigError, GRPOConfig, load_config
+from mmrgrpo.fast_update import (HeadStats, bf16_frozen_base, cast_frozen, keep_freed_memory, micro_batch_positions,
+                                 wants_bf16_base)
+from mmrgrpo.models import add_lora, tiny_random_model
+from mmrgrpo.sampling import Rollout
+from mmrgrpo.step import UpdateBatch, update
+from mmrgrpo.runlog import Phases
+
+
+def rollout(tokenizer, groups=2, G=4, P=6, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p_ids = torch.randint(10, 1000, (groups, P), generator=g).repeat_interleave(G, 0)
+    p_mask = torch.ones_like(p_ids); p_mask[:G, :2] = 0                      # the first group's prompt is left-padded
+    c_ids = torch.randint(10, 1000, (groups * G, T), generator=g)
+    c_mask = torch.ones_like(c_ids); c_mask[1, 3:] = 0; c_mask[5, 1:] = 0
+    return Rollout(["p"] * groups * G, ["c"] * groups * G, p_ids, p_mask, c_ids, c_mask, G)
+
+
+def one_update(tokenizer, c, bf16_base=False):
+    "Loss and the adapters' gradients after one `update` of a fresh tiny LoRA policy (seeded) on a fixed rollout."
+    torch.manual_seed(0)
+    policy = add_lora(tiny_random_model(tokenizer, seed=0), c)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name: p.normal_(0, 0.05)
+    if bf16_base: bf16_frozen_base(policy)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads = {}
+    class Keep(torch.optim.SGD):          # an optimizer that records the gradients it is given and steps nothing
+        def step(self, closure=None):
+            for i, p in enumerate(params): grads[i] = p.grad.detach().clone()
+    ro = rollout(tokenizer)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 1.5, -1.5])
+    metrics = update(policy, Keep(params, lr=0.0), ro, adv, c)
+    return metrics["loss"], torch.cat([grads[i].flatten() for i in range(len(params))])
+
+
+def test_closed_form_head_gives_the_checkpointed_chunk(tokenizer):
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7, temperature=0.8)
+    loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, fused_head=False))
+    loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, fused_head=True))
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(g_b, g_a, rtol=1e-4, atol=1e-7)
+    assert g_a.abs().sum() > 0
+
+
+def test_bf16_base_is_the_autocast_path_exactly(tokenizer):
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=True)
+    loss_a, g_a = one_update(tokenizer, c)
+    loss_b, g_b = one_update(tokenizer, c, bf16_base=True)
+    assert loss_a == loss_b and torch.equal(g_a, g_b)
+    loss_32, g_32 = one_update(tokenizer, dataclasses.replace(c, autocast_bf16=False))
+    assert not torch.equal(g_a, g_32)                                   # bf16 is not fp32: the check above can fail
+    assert ((g_a - g_32).norm() / g_32.norm()) < 0.05
+
+
+def test_bf16_base_stores_only_the_frozen_linears(tokenizer):
+    policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
+    n = bf16_frozen_base(policy)
+    assert n == 2 * 7                                                 # 2 layers x q, k, v, o, gate, up, down
+    dtypes = {name: p.dtype for name, p in policy.named_parameters()}
+    assert all(d == torch.float32 for k, d in dtypes.items() if "lora_" in k or "norm" in k or "embed" in k)
+    assert all(d == torch.bfloat16 for k, d in dtypes.items() if "base_layer.weight" in k)
+    assert policy.get_output_embeddings().weight.dtype == torch.float32
+
+
+def test_when_a_run_stores_a_bf16_base():
+    assert wants_bf16_base(GRPOConfig(autocast_bf16=True), "cpu")
+    assert not wants_bf16_base(GRPOConfig(autocast_bf16=False), "cpu")
+    assert not wants_bf16_base(GRPOConfig(autocast_bf16=True, bf16_base=False), "cpu")
+    assert not wants_bf16_base(GRPOConfig(autocast_bf16=True, lora=False), "cpu")
+    with pytest.raises(ConfigError, match="bf16_base=true"):
+        wants_bf16_base(GRPOConfig(bf16_base=True, autocast_bf16=False), "cpu")
+    with pytest.raises(ConfigError, match="bf16_base=true"):
+        load_config(bf16_base=True, lora=False)
+
+
+def test_a_frozen_weight_is_cast_once():
+    w = torch.randn(8, 4)
+    a, b = cast_frozen(w, torch.bfloat16), cast_frozen(w, torch.bfloat16)
+    assert a is b and a.dtype == torch.bfloat16
+    with torch.no_grad(): w.mul_(2)                                   # a new version of the weight: cast again
+    assert torch.equal(cast_frozen(w, torch.bfloat16), w.bfloat16())
+    trained = torch.randn(8, 4, requires_grad=True)
+    assert cast_frozen(trained, torch.bfloat16) is not cast_frozen(trained, torch.bfloat16)
+
+
+def test_head_stats_gradient_for_a_trained_head():
+    "Full fine-tuning trains the head: `HeadStats` gives its gradient too, as autograd through log_softmax does."
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    y = torch.randint(0, 30, (6,))
+    logp, ent, _ = HeadStats.apply(h, w, y, 1.3, False)
+    ref = (h @ w.t() / 1.3).log_softmax(-1)
+    torch.testing.assert_close(logp, ref.gather(-1, y[:, None]).squeeze(-1))
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))
+    ga = torch.autograd.grad(logp.sum(), [h, w]); gb = torch.autograd.grad(ref.gather(-1, y[:, None]).sum(), [h, w])
+    for a, b in zip(ga, gb): torch.testing.assert_close(a, b)
+
+
+def test_micro_batches_follow_the_update_dtype(tokenizer):
+    policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
+    ro = rollout(tokenizer, groups=8, G=8, T=48)
+    adv = torch.zeros(64)
+    sizes = {ac: [s.stop - s.start for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=ac), Phases(), {}).slices]
+             for ac in (False, True)}
+    assert micro_batch_positions(torch.float32) == 1024 and micro_batch_positions(torch.bfloat16) == 2048
+    assert sizes == {False: [16, 16, 16, 16], True: [40, 24]}
+
+
+def test_keep_freed_memory_where_glibc_is():
+    import ctypes.util, platform
+    kept, restored = keep_freed_memory(), keep_freed_memory(False)      # on, then back to glibc's starting thresholds
+    assert isinstance(kept, bool) and isinstance(restored, bool)
+    if platform.system() == "Linux" and "glibc" in platform.libc_ver()[0]: assert kept and restored
+
+
+def test_a_run_records_its_settings_and_whole_peak(tokenizer):
+    from mmrgrpo.trainer import train
+    with tempfile.TemporaryDirectory() as d:
+        c = load_config(model="tiny-random", steps=1, num_generations=4, prompts_per_step=2, max_completion_length=6,
+                        autocast_bf16=True, eval_size=4, save_every=0, log_completions_every=0, output_dir=d)
+        res = train(c, progress=False)
+    row = res.metrics[0]
+    assert row["precision/base"] == "bfloat16" and isinstance(row["allocator/keep_freed"], bool)
+    assert row["memory/process_peak"] >= row["memory/peak"] > 0
+    assert res.eval_before["memory/eval"] > 0
+    assert "fused decoder" in row["precision/sampler"]

@@ -114,7 +114,7 @@ def wants_bf16_base(c: GRPOConfig, device) -> bool:
     return ok and (c.bf16_base is True or torch.device(device).type == "cpu")
 
 # %% ../nbs/34_fast_update.ipynb #de44a536
-MICRO_BATCH_POSITIONS = {torch.float32: 1024, torch.bfloat16: 2048}    # completion positions per pass on a CPU, measured
+MICRO_BATCH_POSITIONS = {torch.float32: 1024, torch.bfloat16: 1536}    # completion positions per pass on a CPU, measured
 
 def micro_batch_positions(dtype) -> int:
     "Completion positions per forward/backward pass on a CPU when the update's matmuls run in `dtype` (None: fp32)."

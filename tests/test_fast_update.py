@@ -109,8 +109,8 @@ def test_micro_batches_follow_the_update_dtype(tokenizer):
     adv = torch.zeros(64)
     sizes = {ac: [s.stop - s.start for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=ac), Phases(), {}).slices]
              for ac in (False, True)}
-    assert micro_batch_positions(torch.float32) == 1024 and micro_batch_positions(torch.bfloat16) == 2048
-    assert sizes == {False: [16, 16, 16, 16], True: [40, 24]}
+    assert micro_batch_positions(torch.float32) == 1024 and micro_batch_positions(torch.bfloat16) == 1536
+    assert sizes == {False: [16, 16, 16, 16], True: [32, 32]}
 
 
 def test_keep_freed_memory_where_glibc_is():

@@ -6,8 +6,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'keep_freed_memory', 'cast_frozen',
-           'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats', 'bf16_frozen_base', 'wants_bf16_base',
-           'micro_batch_positions', 'update_positions']
+           'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base',
+           'wants_bf16_base', 'micro_batch_positions', 'update_positions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes
@@ -91,6 +91,12 @@ def fused_chunk_stats(h, targets, lm_head, temperature: float, with_sumsq: bool)
     return HeadStats.apply(h, lm_head.weight, targets, temperature, with_sumsq)
 
 # %% ../nbs/34_fast_update.ipynb #78849bfd
+class BaseLinear16(torch.nn.Linear):
+    "A frozen linear layer whose weights are stored in bf16: under autocast it is a plain `Linear`; outside it casts in and back."
+    def forward(self, x):
+        if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type): return super().forward(x)
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
 def bf16_frozen_base(model) -> int:
     "Store every frozen fp32 linear weight (LoRA's base layers; not the output head) in bf16, in place; returns how many."
     head, n = model.get_output_embeddings(), 0
@@ -98,6 +104,7 @@ def bf16_frozen_base(model) -> int:
         if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad and m.weight.dtype == torch.float32:
             m.weight.data = m.weight.data.to(torch.bfloat16)
             if m.bias is not None and not m.bias.requires_grad: m.bias.data = m.bias.data.to(torch.bfloat16)
+            m.__class__ = BaseLinear16         # still a Linear to every isinstance check (peft, the sampling copy)
             n += 1
     return n
 

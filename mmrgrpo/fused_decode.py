@@ -107,7 +107,7 @@ class FusedWeights:
         self.plain = []               # the model's own weights, q/k/v and gate/up each made one tensor
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if any(type(m) is not torch.nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+            if any(not isinstance(m, torch.nn.Linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                                                             mlp.up_proj, mlp.down_proj)):
                 raise ValueError("the fused decoder runs plain linear layers: merge an adapter into the weights first (merged_copy)")
             qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])

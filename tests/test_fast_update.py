@@ -69,6 +69,21 @@ def test_bf16_base_stores_only_the_frozen_linears(tokenizer):
     assert policy.get_output_embeddings().weight.dtype == torch.float32
 
 
+def test_a_bf16_base_runs_outside_autocast_too(tokenizer):
+    "The vLLM log-prob check and a user's own `model(...)` call the policy without autocast: the base casts in and back."
+    policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
+    ids = torch.randint(10, 1000, (2, 7))
+    with torch.no_grad():
+        fp32 = policy(input_ids=ids).logits
+        bf16_frozen_base(policy)
+        plain = policy(input_ids=ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = policy(input_ids=ids).logits
+    assert plain.dtype == torch.float32 and not torch.equal(plain, fp32)    # the weights are bf16-rounded ...
+    assert torch.allclose(plain, fp32, atol=0.05) and torch.allclose(autocast.float(), fp32, atol=0.05)  # ... and only that
+    assert all(isinstance(m, torch.nn.Linear) for m in policy.modules() if type(m).__name__ == "BaseLinear16")
+
+
 def test_when_a_run_stores_a_bf16_base():
     assert wants_bf16_base(GRPOConfig(autocast_bf16=True), "cpu")
     assert not wants_bf16_base(GRPOConfig(autocast_bf16=False), "cpu")

@@ -7,7 +7,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'keep_freed_memory', 'cast_frozen',
            'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base',
-           'wants_bf16_base', 'micro_batch_positions', 'update_positions']
+           'wants_bf16_base', 'micro_batch_positions', 'update_positions', 'group_passes']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes
@@ -130,3 +130,20 @@ def micro_batch_positions(dtype) -> int:
 def update_positions(c: GRPOConfig, device_type: str = "cpu") -> int:
     "Completion positions per automatic micro-batch on a CPU for a run of `c`: by the dtype its update's matmuls run in."
     return micro_batch_positions(choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
+
+# %% ../nbs/34_fast_update.ipynb #1b87120d
+def group_passes(runs: list,              # rows of each group, in order (`group_runs`)
+                 width: int,               # completion positions per row
+                 positions: int) -> list:  # completion positions per pass
+    "Row slices of whole groups within `positions` a pass: as few passes as greedy packing needs, the groups spread evenly over them."
+    def fill(passes=0):                   # passes > 0: also no more than an even share of the rows still to place
+        slices, start, end, rest = [], 0, 0, sum(runs)
+        for run in runs:
+            rows = end - start
+            if rows and ((rows + run) * width > positions or (passes and rows + run > rest / max(passes - len(slices), 1))):
+                slices.append(slice(start, end)); start = end; rest -= rows
+            end += run
+        return slices + [slice(start, end)]
+    fewest = fill()
+    even = fill(len(fewest))
+    return even if len(even) <= len(fewest) else fewest

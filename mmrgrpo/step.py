@@ -28,7 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats
+from .fast_update import update_positions, fused_chunk_stats, group_passes
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -87,16 +87,11 @@ def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group
                   device_type: str = "cpu",
                   positions: int = CPU_MICRO_BATCH_POSITIONS,   # completion positions per pass on a CPU (automatic size)
                  ) -> list:                 # row slices covering 0..N
-    "Row slices for the forward/backward passes: `size` rows each; automatic: all rows on a GPU, whole groups within `positions` on a CPU."
+    "Row slices for the forward/backward passes: `size` rows each; automatic: all rows on a GPU; on a CPU whole groups within `positions`, as few passes as that takes, evened out."
     n = len(group_ids)
     if size: return [slice(i, min(i + size, n)) for i in range(0, n, size)]
     if device_type != "cpu": return [slice(0, n)]
-    slices, start, end = [], 0, 0
-    for run in group_runs(group_ids).tolist():
-        if end > start and (end + run - start) * width > positions:
-            slices.append(slice(start, end)); start = end
-        end += run
-    return slices + [slice(start, end)]
+    return group_passes(group_runs(group_ids).tolist(), width, positions)
 
 def splits_groups(group_ids: torch.Tensor, slices: list) -> bool:
     "True when some group's rows fall into two micro-batches (token selection then scores in a pass of its own)."

@@ -12,6 +12,7 @@ __all__ = ['FUSED_LAYERS', 'PACK_ROWS', 'fused_support', 'fuse_linears', 'can_pa
 import torch
 import torch.nn.functional as F
 from .sampler_copy import CopyBackend
+from .sampling import prompt_rows
 
 # %% ../nbs/31a_fused_decode.ipynb #9357ec57
 FUSED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
@@ -181,9 +182,7 @@ class FusedBackend(CopyBackend):
         self.decoder = FusedDecoder(self.model)
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
-        g = num_generations if self.share_prompt else 1
-        ids = enc.input_ids[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
-        mask = enc.attention_mask[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+        ids, mask, g = prompt_rows(enc, num_generations, self.share_prompt, device)
         return self.decoder.prefill(ids, mask, g, max_new_tokens + 1)
 
     def forward_step(self, ids, mask, pos, cache, max_new_tokens: int) -> tuple:

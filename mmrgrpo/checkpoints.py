@@ -190,7 +190,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
 RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completions_every", "log_with", "resume_from", "output_dir",
              "overwrite", "threads", "data_dir", "micro_batch_size", "logp_chunk_size", "gradient_checkpointing", "share_prompt",
              "max_nonfinite_steps", "vllm_gpu_memory_utilization", "vllm_sleep", "fused_decode", "fused_head", "keep_freed_memory",
-             "bf16_base")
+             "bf16_base", "pack_completions")
 
 def config_changes(ck: Path, c: GRPOConfig) -> dict:
     "{field: (the checkpoint's value, `c`'s)} for each field that differs; a field the checkpoint's config lacks counts as its default."

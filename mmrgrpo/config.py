@@ -84,6 +84,7 @@ class GRPOConfig:
     share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: autograd through a checkpointed chunk")
+    pack_completions: bool = _f(True, "in the update, lay each group's completions end to end without their padding (needs share_prompt and sdpa attention); false: padded rows")
     keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; 'auto': on CPU runs")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards

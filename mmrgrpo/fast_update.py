@@ -1,4 +1,4 @@
-"""Memory the allocator keeps for reuse, the output head's log-probs and gradient in closed form, a frozen base stored in bf16, and micro-batches sized by dtype.
+"""Memory the allocator keeps for reuse, the output head's log-probs and gradient in closed form, a frozen base stored in bf16, micro-batches sized by dtype, and each group's completions packed without padding.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
@@ -7,7 +7,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'keep_freed_memory', 'cast_frozen',
            'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base',
-           'wants_bf16_base', 'micro_batch_positions', 'update_positions', 'group_passes']
+           'wants_bf16_base', 'micro_batch_positions', 'update_positions', 'group_passes', 'pack_rows', 'packed_mask',
+           'packed_completion_stats', 'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 from .config import ConfigError, GRPOConfig
 from .models import choose_dtype
+from .logprobs import token_stats
+from .sampling import cache_kwarg, output_cache
+from .advantages import as_group_ids, group_runs
 
 # %% ../nbs/34_fast_update.ipynb #b78e030e
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3         # glibc's mallopt parameters (malloc.h)
@@ -147,3 +151,68 @@ def group_passes(runs: list,              # rows of each group, in order (`group
     fewest = fill()
     even = fill(len(fewest))
     return even if len(even) <= len(fewest) else fewest
+
+# %% ../nbs/34_fast_update.ipynb #ee430e1c
+def pack_rows(completion_mask: torch.Tensor,  # (N, T) 1 where a completion token counts
+              row_group: torch.Tensor,        # (N,) each row's group, 0..n_groups-1, a group's rows next to each other
+              n_groups: int,
+             ) -> dict:
+    "Where each row's completion inputs sit when its group's rows are laid end to end in one packed row (index bookkeeping only)."
+    N, T = completion_mask.shape
+    dev, cm = completion_mask.device, completion_mask.bool()
+    last = torch.where(cm.any(1), (cm * torch.arange(1, T + 1, device=dev)).amax(1), 0)  # 1 + the last counted position
+    n_in = (last - 1).clamp(min=0)                            # inputs a row feeds: tokens 0..last-2 predict tokens 1..last-1
+    width = torch.zeros(n_groups, dtype=torch.long, device=dev).index_add_(0, row_group, n_in)   # each packed row's length
+    start = (n_in.cumsum(0) - n_in) - (width.cumsum(0) - width)[row_group]   # where a row begins inside its packed row
+    in_row = torch.repeat_interleave(torch.arange(N, device=dev), n_in)       # every packed input's row ...
+    in_pos = torch.arange(len(in_row), device=dev) - (n_in.cumsum(0) - n_in)[in_row]   # ... and its position in that row
+    S = int(width.max()) if n_groups else 0
+    slot_row = torch.full((n_groups, S), -1, dtype=torch.long, device=dev)   # -1: padding at a packed row's end
+    slot_pos = torch.zeros(n_groups, S, dtype=torch.long, device=dev)
+    slot_key = torch.zeros(n_groups, S, dtype=torch.bool, device=dev)        # may later tokens of its row attend to it
+    where = (row_group[in_row], start[in_row] + in_pos)
+    slot_row[where], slot_pos[where], slot_key[where] = in_row, in_pos, cm[in_row, in_pos]
+    return dict(width=S, start=start, where=where, in_row=in_row, in_pos=in_pos,
+                slot_row=slot_row, slot_pos=slot_pos, slot_key=slot_key, targets=cm.nonzero(as_tuple=True))
+
+def packed_mask(pack: dict, prompt_mask: torch.Tensor) -> torch.Tensor:
+    "(n_groups, 1, S, P + S) boolean attention mask: a packed token sees its group's prompt and its own row's earlier tokens."
+    row, pos = pack["slot_row"], pack["slot_pos"]
+    own = (row[:, :, None] == row[:, None, :]) & (pos[:, None, :] <= pos[:, :, None]) & pack["slot_key"][:, None, :]
+    seen = prompt_mask.bool()[:, None, :].expand(-1, row.shape[1], -1)       # padding slots see the prompt: no empty rows
+    return torch.cat([seen, own], 2)[:, None]
+
+# %% ../nbs/34_fast_update.ipynb #8f9a2fbe
+def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                            chunk_size: int = 1024, with_sumsq: bool = False,
+                            group_size=1,   # G (int) or (N,) group ids: rows of a group share their prompt
+                            chunk_fn=None): # `token_stats`'s chunk function
+    "`completion_stats` without the padding: each group's prompt once, then its rows' counted tokens in one packed row."
+    body = model.get_decoder()
+    N, T = completion_ids.shape
+    gid = as_group_ids(group_size, N, prompt_ids.device)
+    runs = group_runs(gid)
+    first = runs.cumsum(0) - runs
+    row_group = torch.repeat_interleave(torch.arange(len(runs), device=gid.device), runs)
+    p_mask = prompt_mask[first]
+    out = body(input_ids=prompt_ids[first], attention_mask=p_mask, position_ids=(p_mask.long().cumsum(-1) - 1).clamp(min=0),
+               use_cache=True)
+    h_prompt = out.last_hidden_state[:, -1]                                   # (groups, D): predicts each row's token 0
+    pack = pack_rows(completion_mask, row_group, len(runs))
+    r, t = pack["targets"]
+    h = h_prompt[row_group[r]]
+    if pack["width"]:
+        ids = completion_ids.new_zeros(pack["slot_row"].shape)
+        ids[pack["where"]] = completion_ids[pack["in_row"], pack["in_pos"]]
+        pos = prompt_mask.long().sum(-1)[pack["slot_row"].clamp(min=0)] + pack["slot_pos"]
+        packed = body(input_ids=ids, attention_mask=packed_mask(pack, p_mask), position_ids=pos, use_cache=False,
+                      **{cache_kwarg(body): output_cache(out)}).last_hidden_state          # (groups, S, D)
+        later = packed[row_group[r], pack["start"][r] + (t - 1).clamp(min=0)]
+        h = torch.where((t == 0)[:, None], h, later)
+    stats = token_stats(h[None], completion_ids[r, t][None], model.get_output_embeddings(), temperature=temperature,
+                        chunk_size=chunk_size, with_sumsq=with_sumsq, chunk_fn=chunk_fn)
+    return tuple(None if x is None else x.new_zeros(N, T).index_put((r, t), x[0]) for x in stats)
+
+def packs_completions(model) -> bool:
+    "Whether `model` takes packed rows: its attention must read a boolean 4-D mask as it is (`sdpa`; eager attention adds masks)."
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"

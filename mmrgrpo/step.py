@@ -28,7 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions
+from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -185,9 +185,12 @@ def prompt_groups(c: GRPOConfig, rollout: Rollout, rows):
 
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
+    groups = prompt_groups(c, rollout, rows)
+    packed = c.pack_completions and not isinstance(groups, int) and packs_completions(model)   # 34_fast_update
     with _autocast(model, c):
-        return completion_stats(model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size,
-                                with_sumsq=with_sumsq, group_size=prompt_groups(c, rollout, rows), chunk_fn=fused_chunk_stats if c.fused_head else None)
+        return (packed_completion_stats if packed else completion_stats)(
+            model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq,
+            group_size=groups, chunk_fn=fused_chunk_stats if c.fused_head else None)
 
 @torch.no_grad()
 def batch_logprobs(model, rollout: Rollout, c: GRPOConfig, slices: list, with_sumsq: bool = False) -> tuple:

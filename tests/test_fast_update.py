@@ -146,3 +146,30 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     assert row["memory/process_peak"] >= row["memory/peak"] > 0
     assert res.eval_before["memory/eval"] > 0
     assert "fused decoder" in row["precision/sampler"]
+
+
+def test_packed_rows_give_the_padded_update(tokenizer):
+    "`pack_completions` drops the pad positions; the loss and the adapters' gradients are the padded rows' to float rounding."
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7)
+    loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, pack_completions=False))
+    loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, pack_completions=True))
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(g_b, g_a, rtol=1e-4, atol=1e-7)
+    assert g_a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("change, packs", [({}, True), ({"pack_completions": False}, False), ({"share_prompt": False}, False),
+                                           ({"attn": "eager"}, False)])
+def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, packs):
+    "Packing needs each group's prompt cache (prompt sharing) and attention that reads a boolean 4-D mask as it is (sdpa)."
+    import mmrgrpo.step as step
+    calls = []
+    real = step.packed_completion_stats
+    monkeypatch.setattr(step, "packed_completion_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.0, autocast_bf16=False, **{k: v for k, v in change.items() if k != "attn"})
+    policy = add_lora(tiny_random_model(tokenizer, seed=0), c)
+    if "attn" in change: policy.config._attn_implementation = change["attn"]
+    params = [p for p in policy.parameters() if p.requires_grad]
+    metrics = update(policy, torch.optim.SGD(params, lr=0.0), rollout(tokenizer), torch.tensor([1.0, -1.0] * 4), c)
+    assert bool(calls) == packs
+    assert torch.isfinite(torch.tensor(metrics["loss"]))

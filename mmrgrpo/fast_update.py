@@ -7,8 +7,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'keep_freed_memory', 'cast_frozen',
            'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base',
-           'wants_bf16_base', 'micro_batch_positions', 'update_positions', 'group_passes', 'pack_rows', 'packed_mask',
-           'packed_completion_stats', 'packs_completions']
+           'wants_bf16_base', 'micro_batch_positions', 'update_positions', 'group_passes', 'counted_lengths',
+           'pack_rows', 'packed_mask', 'packed_completion_stats', 'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes
@@ -137,22 +137,30 @@ def update_positions(c: GRPOConfig, device_type: str = "cpu") -> int:
 
 # %% ../nbs/34_fast_update.ipynb #1b87120d
 def group_passes(runs: list,              # rows of each group, in order (`group_runs`)
-                 width: int,               # completion positions per row
+                 width,                    # completion positions per row: one int for every row, or a list with each row's
                  positions: int) -> list:  # completion positions per pass
     "Row slices of whole groups within `positions` a pass: as few passes as greedy packing needs, the groups spread evenly over them."
+    widths = [width] * sum(runs) if isinstance(width, int) else list(width)
+    ends = [sum(runs[:i + 1]) for i in range(len(runs))]
+    cost = [sum(widths[e - r:e]) for r, e in zip(runs, ends)]           # each group's positions
     def fill(passes=0):                   # passes > 0: also no more than an even share of the rows still to place
-        slices, start, end, rest = [], 0, 0, sum(runs)
-        for run in runs:
+        slices, start, end, used, rest = [], 0, 0, 0, sum(runs)
+        for run, pos in zip(runs, cost):
             rows = end - start
-            if rows and ((rows + run) * width > positions or (passes and rows + run > rest / max(passes - len(slices), 1))):
-                slices.append(slice(start, end)); start = end; rest -= rows
-            end += run
+            if rows and (used + pos > positions or (passes and rows + run > rest / max(passes - len(slices), 1))):
+                slices.append(slice(start, end)); start = end; rest -= rows; used = 0
+            end += run; used += pos
         return slices + [slice(start, end)]
     fewest = fill()
     even = fill(len(fewest))
     return even if len(even) <= len(fewest) else fewest
 
 # %% ../nbs/34_fast_update.ipynb #ee430e1c
+def counted_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
+    "(N,) each row's positions up to and including its last counted token (0: none): what a packed row holds of it."
+    cm = completion_mask.bool()
+    return torch.where(cm.any(1), (cm * torch.arange(1, cm.shape[1] + 1, device=cm.device)).amax(1), 0)
+
 def pack_rows(completion_mask: torch.Tensor,  # (N, T) 1 where a completion token counts
               row_group: torch.Tensor,        # (N,) each row's group, 0..n_groups-1, a group's rows next to each other
               n_groups: int,
@@ -160,7 +168,7 @@ def pack_rows(completion_mask: torch.Tensor,  # (N, T) 1 where a completion toke
     "Where each row's completion inputs sit when its group's rows are laid end to end in one packed row (index bookkeeping only)."
     N, T = completion_mask.shape
     dev, cm = completion_mask.device, completion_mask.bool()
-    last = torch.where(cm.any(1), (cm * torch.arange(1, T + 1, device=dev)).amax(1), 0)  # 1 + the last counted position
+    last = counted_lengths(completion_mask)
     n_in = (last - 1).clamp(min=0)                            # inputs a row feeds: tokens 0..last-2 predict tokens 1..last-1
     width = torch.zeros(n_groups, dtype=torch.long, device=dev).index_add_(0, row_group, n_in)   # each packed row's length
     start = (n_in.cumsum(0) - n_in) - (width.cumsum(0) - width)[row_group]   # where a row begins inside its packed row

@@ -7,9 +7,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 # %% auto #0
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune',
            'micro_batches', 'splits_groups', 'machine_memory', 'estimate_step_memory', 'check_step_memory',
-           'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'prompt_groups', 'policy_stats', 'batch_logprobs',
-           'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass', 'sampler_weights',
-           'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
+           'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'shares_prompts', 'prompt_groups', 'packing',
+           'policy_stats', 'batch_logprobs', 'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass',
+           'token_pass', 'sampler_weights', 'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
 
 # %% ../nbs/41_step.ipynb #3ef80582
 import math, sys, weakref
@@ -28,7 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions
+from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions, counted_lengths
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -82,7 +82,7 @@ def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int =
 CPU_MICRO_BATCH_POSITIONS = micro_batch_positions(torch.float32)   # `34_fast_update`'s budget by dtype; fp32 here
 
 def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group's rows next to each other
-                  width: int,               # completion length T (positions per row)
+                  width,                    # completion positions per row: T, or each row's (a list; packed rows)
                   size: int = 0,            # rows per pass; 0: automatic
                   device_type: str = "cpu",
                   positions: int = CPU_MICRO_BATCH_POSITIONS,   # completion positions per pass on a CPU (automatic size)
@@ -178,17 +178,23 @@ def _rows(rollout: Rollout, rows): return rollout.prompt_ids[rows], rollout.prom
 def _autocast(model, c: GRPOConfig):
     return autocast(c.autocast_bf16, model.device.type)
 
+def shares_prompts(c: GRPOConfig) -> bool:
+    "Whether this pass runs each group's prompt once: prompt sharing on, and no checkpointed layers (they keep no cache) in a pass with gradients."
+    return c.share_prompt and not (c.gradient_checkpointing and torch.is_grad_enabled())
+
 def prompt_groups(c: GRPOConfig, rollout: Rollout, rows):
     "What `completion_stats` shares prompts by: the rows' group ids with prompt sharing on, else 1 (each row runs its own prompt)."
-    if not c.share_prompt or (c.gradient_checkpointing and torch.is_grad_enabled()): return 1   # a checkpointed layer keeps no cache
-    return rollout.group_ids[rows]
+    return rollout.group_ids[rows] if shares_prompts(c) else 1
+
+def packing(c: GRPOConfig, model) -> bool:
+    "Whether the passes pack each group's completions (34_fast_update): asked for, prompts shared, and attention that reads the mask."
+    return c.pack_completions and shares_prompts(c) and packs_completions(model)
 
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
     groups = prompt_groups(c, rollout, rows)
-    packed = c.pack_completions and not isinstance(groups, int) and packs_completions(model)   # 34_fast_update
     with _autocast(model, c):
-        return (packed_completion_stats if packed else completion_stats)(
+        return (packed_completion_stats if packing(c, model) else completion_stats)(
             model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq,
             group_size=groups, chunk_fn=fused_chunk_stats if c.fused_head else None)
 
@@ -227,7 +233,8 @@ class UpdateBatch:
         c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)     # mask (N, T)
         self.group_ids = self.rollout.group_ids.to(self.mask.device)
         device_type = next(self.model.parameters()).device.type
-        self.slices = micro_batches(self.group_ids, self.mask.shape[1], c.micro_batch_size, device_type, update_positions(c, device_type))
+        width = counted_lengths(self.mask).tolist() if packing(c, self.model) else self.mask.shape[1]   # what a pass holds of each row
+        self.slices = micro_batches(self.group_ids, width, c.micro_batch_size, device_type, update_positions(c, device_type))
         self.scaler = grad_scaler(self.optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
         self.cap = importance_cap(c, self.rollout)
         self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.mask.sum().item())

@@ -128,6 +128,17 @@ def test_micro_batches_follow_the_update_dtype(tokenizer):
     assert sizes == {False: [16, 16, 16, 16], True: [32, 32]}
 
 
+
+def test_packed_passes_count_the_counted_positions(tokenizer):
+    "Packed, a pass holds rows up to their last counted token, so short completions make fuller passes; padded, every row costs T."
+    policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
+    ro = rollout(tokenizer, groups=8, G=8, T=48)
+    ro.completion_mask[:, 12:] = 0                                     # every completion ends at 12 tokens
+    adv = torch.zeros(64)
+    sizes = {pack: [s.stop - s.start for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=False, pack_completions=pack),
+                                                           Phases(), {}).slices] for pack in (False, True)}
+    assert sizes == {False: [16, 16, 16, 16], True: [64]}             # 64 x 48 > 1,024 a pass; 64 x 12 = 768 fits
+
 def test_keep_freed_memory_where_glibc_is():
     import ctypes.util, platform
     kept, restored = keep_freed_memory(), keep_freed_memory(False)      # on, then back to glibc's starting thresholds

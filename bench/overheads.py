@@ -9,7 +9,8 @@ from the same initial LoRA weights and a fresh AdamW, so only the arm's setting 
 - `P=0 gmts`: the update with GMTS token selection (its `time/select` share of the update);
 - `P=0 no-share`: the update with `share_prompt=False` (each completion runs its own copy of the prompt);
 - `P=0 mb=64`, `mb=32`, `mb=16`, `mb=8`: the update in micro-batches of that many completions (whole groups, so prompt
-  sharing stays on), against the default (`micro_batch_size=0`: on a CPU, whole groups of about 1,024 completion positions in fp32, 2,048 in bf16): time and the update's peak resident memory;
+  sharing stays on), against the default (`micro_batch_size=0`: on a CPU, whole groups of about 1,024 completion positions in fp32, 1,536 in bf16,
+  counted up to each row's last counted token when the completions are packed): time and the update's peak resident memory;
 - `mmr`: embedding the 64 completions and the MMR reweighting (`time/mmr` of the trainer's `advantages_for`).
 
 The arms are interleaved (round-robin, order reversed every other round) and repeated `--repeats` times after `--warmup`
@@ -46,8 +47,8 @@ def main(argv=None):
     from mmrgrpo.verifier_pool import get_reward_funcs
     from mmrgrpo.mmr import load_embedder
     from mmrgrpo.advantages import group_advantages, frac_zero_std
-    from mmrgrpo.step import micro_batches
-    from mmrgrpo.fast_update import update_positions
+    from mmrgrpo.step import micro_batches, packing
+    from mmrgrpo.fast_update import update_positions, counted_lengths
     repeats = args.repeats or (2 if args.quick else 3)
     base = dict(bl.QUICK_CONFIG, num_generations=8) if args.quick else dict(bl.BENCH_CONFIG)
     c = load_config(overrides=args.set, **dict(base, steps=1, output_dir="runs/bench_overheads", threads=args.threads))
@@ -83,7 +84,8 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, T, positions=update_positions(c))[0].stop   # rows in the first pass
+    width = counted_lengths(ro.completion_mask).tolist() if packing(c, model) else T     # what a pass holds of each row
+    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, width, positions=update_positions(c))[0].stop   # rows in the first pass
     MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}

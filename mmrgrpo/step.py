@@ -7,9 +7,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 # %% auto #0
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune',
            'micro_batches', 'splits_groups', 'machine_memory', 'estimate_step_memory', 'check_step_memory',
-           'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'shares_prompts', 'prompt_groups', 'packing',
-           'policy_stats', 'batch_logprobs', 'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass',
-           'token_pass', 'sampler_weights', 'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
+           'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'shares_prompts', 'packing', 'policy_stats',
+           'batch_logprobs', 'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass',
+           'sampler_weights', 'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
 
 # %% ../nbs/41_step.ipynb #3ef80582
 import math, sys, weakref
@@ -175,16 +175,11 @@ def grad_scaler(optimizer, device_type: str, dtype):
 # %% ../nbs/41_step.ipynb #b4a9f71c
 def _rows(rollout: Rollout, rows): return rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows], rollout.completion_mask[rows]
 
-def _autocast(model, c: GRPOConfig):
-    return autocast(c.autocast_bf16, model.device.type)
+def _autocast(model, c: GRPOConfig): return autocast(c.autocast_bf16, model.device.type)
 
 def shares_prompts(c: GRPOConfig) -> bool:
     "Whether this pass runs each group's prompt once: prompt sharing on, and no checkpointed layers (they keep no cache) in a pass with gradients."
     return c.share_prompt and not (c.gradient_checkpointing and torch.is_grad_enabled())
-
-def prompt_groups(c: GRPOConfig, rollout: Rollout, rows):
-    "What `completion_stats` shares prompts by: the rows' group ids with prompt sharing on, else 1 (each row runs its own prompt)."
-    return rollout.group_ids[rows] if shares_prompts(c) else 1
 
 def packing(c: GRPOConfig, model) -> bool:
     "Whether the passes pack each group's completions (34_fast_update): asked for, prompts shared, and attention that reads the mask."
@@ -192,7 +187,7 @@ def packing(c: GRPOConfig, model) -> bool:
 
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
-    groups = prompt_groups(c, rollout, rows)
+    groups = rollout.group_ids[rows] if shares_prompts(c) else 1      # 1: each row runs its own prompt
     with _autocast(model, c):
         return (packed_completion_stats if packing(c, model) else completion_stats)(
             model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq,

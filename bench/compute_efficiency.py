@@ -21,10 +21,10 @@ trainer does on a CPU). Arms, the first five in micro-batches of 16 completions 
   and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
 FLOP count of the update phase (multiply-add = 2 FLOPs). Counted twice: on the padded rows, as the padded arms compute
-them (below), and on the tokens that count (`useful_counts`: each group's prompt without its left padding, each completion up
-to its last counted token, the head at counted positions, attention over the causal half), the work any arm must do. The
-packed arms compute a little more than the second (a packed row's padded tail, the full attention rectangle), far less
-than the first; efficiency by the first count credits padding as work, so the packed arms are judged by the second.
+them (below), and on the tokens that count (`useful_counts`: the prompts' shared prefix once, each group's own prompt tokens
+after it, each completion up to its last counted token, the head at counted positions, attention over the causal half), the
+work any arm must do. The packed arms compute a little more than the second (the shared prefix once per pass, a packed
+row's padded tail, the full attention rectangle), far less than the first; efficiency by the first count credits padding as work, so the packed arms are judged by the second.
 The padded count:
 - tokens through the decoder body per pass: with prompt sharing, (N/G) x P for the prompts plus N x (T-1) for the
   completions; without, N x (P + T). N rows, P prompt width, T completion width.
@@ -100,20 +100,22 @@ def padded_counts(rows: int, group: int, P: int, T: int, share: bool) -> dict:
 
 
 def useful_counts(ro) -> dict:
-    "The same counts over the tokens that count: each group's prompt without its padding, each completion up to its last counted token."
+    "The same counts over the tokens that count: the prompts' shared prefix once, each group's own prompt tokens, each completion up to its last counted token."
     import torch
+    from mmrgrpo.fast_update import shared_prefix
     runs = torch.unique_consecutive(ro.group_ids, return_counts=True)[1].tolist()
+    first = [sum(runs[:i]) for i in range(len(runs))]
+    K = shared_prefix(ro.prompt_ids[first], ro.prompt_mask[first])
     cm = ro.completion_mask.bool()
     last = torch.where(cm.any(1), (cm * torch.arange(1, cm.shape[1] + 1)).amax(1), 0).tolist()
-    body = attn = head = row = 0
-    for n in runs:
-        p = int(ro.prompt_mask[row].sum())
-        body, attn = body + p, attn + p * (p + 1) // 2
-        for r in range(row, row + n):
+    body, attn, head = K, K * (K + 1) // 2, 0
+    for g, n in zip(first, runs):
+        p = int(ro.prompt_mask[g].sum())
+        body, attn = body + p - K, attn + (p * (p + 1) - K * (K + 1)) // 2
+        for r in range(g, g + n):
             k = max(last[r] - 1, 0)
             body, attn, head = body + k, attn + k * p + k * (k + 1) // 2, head + int(cm[r].sum())
-        row += n
-    return {"body_tokens": body, "attn_ctx": attn, "head_positions": head}
+    return {"body_tokens": body, "attn_ctx": attn, "head_positions": head, "shared_prefix": K}
 
 
 def update_flops(pc: dict, counts: dict, beta: bool) -> dict:

@@ -102,12 +102,11 @@ def padded_counts(rows: int, group: int, P: int, T: int, share: bool) -> dict:
 def useful_counts(ro) -> dict:
     "The same counts over the tokens that count: the prompts' shared prefix once, each group's own prompt tokens, each completion up to its last counted token."
     import torch
-    from mmrgrpo.fast_update import shared_prefix
+    from mmrgrpo.fast_update import shared_prefix, counted_lengths
     runs = torch.unique_consecutive(ro.group_ids, return_counts=True)[1].tolist()
     first = [sum(runs[:i]) for i in range(len(runs))]
     K = shared_prefix(ro.prompt_ids[first], ro.prompt_mask[first])
-    cm = ro.completion_mask.bool()
-    last = torch.where(cm.any(1), (cm * torch.arange(1, cm.shape[1] + 1)).amax(1), 0).tolist()
+    cm, last = ro.completion_mask.bool(), counted_lengths(ro.completion_mask).tolist()
     body, attn, head = K, K * (K + 1) // 2, 0
     for g, n in zip(first, runs):
         p = int(ro.prompt_mask[g].sum())

@@ -4,6 +4,8 @@ Each run is `mmrgrpo demo seed=S output_dir=... [switches]` in its own process; 
 `--threads` CPU threads. The runs are for their accuracy only: with several at once, their times mean nothing.
 
     python bench/demo_seeds.py --seeds 2 3 4 5 --parallel 2 --threads 1
+    python bench/demo_seeds.py --seeds 0 1 2 3 4 5 6 7 8 9 --arms defaults --runs runs/demo_seeds_packed \
+        --out bench/results/demo_seeds_packed.json --parallel 2 --threads 1      # one arm only
 """
 import argparse, json, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +14,10 @@ from statistics import mean
 sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import finish_meta, start_meta, write_json
 
-ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false"]}
+# "switches off": the plain path of the first lessons (pack_completions came after the study in demo_seeds.json, whose code
+# had no packing: the same path)
+ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false",
+                                         "pack_completions=false"]}
 
 def evals(folder: Path) -> dict:
     "{step: held-out accuracy} from a run's metrics.jsonl."
@@ -37,18 +42,19 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--runs", default="runs/demo_seeds", help="folder for the runs (kept: a finished run is not run again)")
     p.add_argument("--out", default="bench/results/demo_seeds.json")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="which arms to run")
     a = p.parse_args()
     meta = start_meta()
-    jobs = [(arm, s) for s in a.seeds for arm in ARMS]
+    jobs = [(arm, s) for s in a.seeds for arm in a.arms]
     with ThreadPoolExecutor(a.parallel) as pool:
         results = list(pool.map(lambda j: run(*j, Path(a.runs), a.threads), jobs))
     print("\nheld-out accuracy at the last step (15), by seed")
     summary = {}
-    for arm in ARMS:
+    for arm in a.arms:
         final = [r["accuracy"][15] for r in results if r["arm"] == arm]
         best = [max(r["accuracy"].values()) for r in results if r["arm"] == arm]
         summary[arm] = dict(final=final, final_mean=mean(final), best_mean=mean(best))
         print(f"{arm:>13}: " + " ".join(f"{x:.3f}" for x in final) + f"   mean {mean(final):.3f} (best step's mean {mean(best):.3f})")
-    print(f"saved {write_json(a.out, dict(meta=finish_meta(meta), arms=ARMS, runs=results, summary=summary))}")
+    print(f"saved {write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results, summary=summary))}")
 
 if __name__ == "__main__": main()

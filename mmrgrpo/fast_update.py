@@ -223,7 +223,7 @@ def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, comp
     p_ids, p_len = prompt_ids[first], prompt_mask[first].long().sum(-1)
     K = shared_prefix(p_ids, prompt_mask[first])
     pack = pack_rows(completion_mask, row_group, p_len - K)
-    kind, row, pos = pack["kind"], pack["slot_row"], pack["slot_pos"]
+    kind, pos = pack["kind"], pack["slot_pos"]
     P = p_ids.shape[1]
     own_prompt = p_ids.gather(1, (P - p_len[:, None] + K + pos).clamp(max=P - 1))     # a prompt slot's token
     ids = torch.where(kind == SUFFIX, own_prompt, 0)

@@ -17,7 +17,8 @@ from benchlib import finish_meta, start_meta, write_json
 # "switches off": the plain path of the first lessons (pack_completions came after the study in demo_seeds.json, whose code
 # had no packing: the same path)
 ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false",
-                                         "pack_completions=false"]}
+                                         "pack_completions=false"],
+        "fused decoder off": ["fused_decode=false"]}
 
 def evals(folder: Path) -> dict:
     "{step: held-out accuracy} from a run's metrics.jsonl."

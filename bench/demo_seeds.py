@@ -18,7 +18,9 @@ from benchlib import finish_meta, start_meta, write_json
 # had no packing: the same path)
 ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false",
                                          "pack_completions=false"],
-        "fused decoder off": ["fused_decode=false"]}
+        "fused decoder off": ["fused_decode=false"], "bf16 base off": ["bf16_base=false"], "fused head off": ["fused_head=false"],
+        "packing off": ["pack_completions=false"],
+        "freed memory returned": ["keep_freed_memory=false"]}
 
 def evals(folder: Path) -> dict:
     "{step: held-out accuracy} from a run's metrics.jsonl."

@@ -12,7 +12,7 @@ __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BAT
            'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
-import ctypes
+import ctypes, weakref
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -96,18 +96,27 @@ def fused_chunk_stats(h, targets, lm_head, temperature: float, with_sumsq: bool)
     return HeadStats.apply(h, lm_head.weight, targets, temperature, with_sumsq)
 
 # %% ../nbs/34_fast_update.ipynb #78849bfd
+_ROUNDING = weakref.WeakKeyDictionary()     # BaseLinear16 -> what bf16 rounded off its fp32 weight (not copied with the layer)
+
 class BaseLinear16(torch.nn.Linear):
     "A frozen linear layer whose weights are stored in bf16: under autocast it is a plain `Linear`; outside it casts in and back."
     def forward(self, x):
         if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type): return super().forward(x)
         return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
+    def full_weight(self) -> torch.Tensor:
+        "The fp32 weight it was stored from: the bf16 weight plus what the rounding took off (kept where it was stored)."
+        lost = _ROUNDING.get(self)
+        return self.weight.float() if lost is None else self.weight.float() + lost.float()
+
 def bf16_frozen_base(model) -> int:
-    "Store every frozen fp32 linear weight (LoRA's base layers; not the output head) in bf16, in place; returns how many."
+    "Store every frozen fp32 linear weight (LoRA's base layers; not the output head) in bf16, in place, with what the rounding took off; returns how many."
     head, n = model.get_output_embeddings(), 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad and m.weight.dtype == torch.float32:
-            m.weight.data = m.weight.data.to(torch.bfloat16)
+            w16 = m.weight.data.to(torch.bfloat16)
+            _ROUNDING[m] = (m.weight.data - w16.float()).to(torch.bfloat16)    # for a sampling copy's merge (31_sampler_copy)
+            m.weight.data = w16
             if m.bias is not None and not m.bias.requires_grad: m.bias.data = m.bias.data.to(torch.bfloat16)
             m.__class__ = BaseLinear16         # still a Linear to every isinstance check (peft, the sampling copy)
             n += 1

@@ -1,7 +1,7 @@
 """The update's speed settings (`34_fast_update`) change how, not what, it computes: the closed-form head gives the checkpointed
 chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches follow the update's dtype, and a run
 records what it applied and the whole process's peak memory."""
-import dataclasses, tempfile
+import copy, dataclasses, tempfile
 import pytest, torch
 from mmrgrpo.config import ConfigError, GRPOConfig, load_config
 from mmrgrpo.fast_update import (HeadStats, bf16_frozen_base, cast_frozen, keep_freed_memory, micro_batch_positions,
@@ -67,6 +67,27 @@ def test_bf16_base_stores_only_the_frozen_linears(tokenizer):
     assert all(d == torch.float32 for k, d in dtypes.items() if "lora_" in k or "norm" in k or "embed" in k)
     assert all(d == torch.bfloat16 for k, d in dtypes.items() if "base_layer.weight" in k)
     assert policy.get_output_embeddings().weight.dtype == torch.float32
+
+
+def test_a_sampling_copy_merges_from_the_fp32_weights_of_a_bf16_base(tokenizer):
+    "An adapter's first steps are smaller than bf16's spacing: merged into a bf16 weight they round away; the copy must see them."
+    from mmrgrpo.sampler_copy import CopyBackend
+    def copy_of(policy):
+        return CopyBackend(policy, tokenizer, copy_dtype=torch.bfloat16).model.model.layers[0].mlp.up_proj.weight
+    torch.manual_seed(0)
+    fp32 = add_lora(tiny_random_model(tokenizer, seed=0), GRPOConfig(lora_r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, p in fp32.named_parameters():
+            if "lora_B" in name: p.normal_(0, 2e-5)                   # a delta mostly under half of bf16's spacing
+    base16 = copy.deepcopy(fp32)
+    bf16_frozen_base(base16)
+    want, got = copy_of(fp32), copy_of(base16)
+    layer = base16.base_model.model.model.layers[0].mlp.up_proj
+    w16, delta = layer.base_layer.weight, layer.get_delta_weight("default").float()
+    kept = lambda w: ((w.float() - w16.float()) * delta.sign()).sum() / delta.abs().sum()    # the share of the delta a copy shows
+    assert kept((w16.float() + delta).bfloat16()) < 0.3               # merged into the bf16 weight alone: mostly rounded away
+    assert kept(want) > 0.9 and kept(got) > 0.9                       # from the fp32 base, and from full_weight: all of it
+    assert (got == want).float().mean() > 0.999                       # the same copy, to the rounding of the kept rounding
 
 
 def test_a_bf16_base_runs_outside_autocast_too(tokenizer):

@@ -6,6 +6,10 @@ Each run is `mmrgrpo demo seed=S output_dir=... [switches]` in its own process; 
     python bench/demo_seeds.py --seeds 2 3 4 5 --parallel 2 --threads 1
     python bench/demo_seeds.py --seeds 0 1 2 3 4 5 6 7 8 9 --arms defaults --runs runs/demo_seeds_packed \
         --out bench/results/demo_seeds_packed.json --parallel 2 --threads 1      # one arm only
+
+Each arm after the first is compared with the first seed by seed: the mean difference of the final accuracy, on how many
+seeds it is lower, and the two-sided p of an exact sign-flip permutation test over the pairs. With one thread per run a
+run is reproducible (the same command gives the same metrics), so a run already in `--runs` is not run again.
 """
 import argparse, json, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +42,13 @@ def run(arm: str, seed: int, out: Path, threads: int) -> dict:
         print(f"{arm} seed {seed}: {time.time() - t:.0f} s", flush=True)
     return dict(arm=arm, seed=seed, accuracy=evals(folder))
 
+def sign_flip_p(diffs: list) -> float:
+    "Two-sided p of a paired difference's mean under an exact sign-flip permutation test (every sign pattern, 2^n)."
+    from itertools import product
+    observed = abs(sum(diffs))
+    flips = [abs(sum(s * d for s, d in zip(signs, diffs))) for signs in product((1, -1), repeat=len(diffs))]
+    return sum(f >= observed - 1e-12 for f in flips) / len(flips)
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
@@ -58,6 +69,13 @@ def main():
         best = [max(r["accuracy"].values()) for r in results if r["arm"] == arm]
         summary[arm] = dict(final=final, final_mean=mean(final), best_mean=mean(best))
         print(f"{arm:>13}: " + " ".join(f"{x:.3f}" for x in final) + f"   mean {mean(final):.3f} (best step's mean {mean(best):.3f})")
+    first = a.arms[0]
+    for arm in a.arms[1:]:          # each arm against the first, seed by seed
+        diffs = [x - y for x, y in zip(summary[arm]["final"], summary[first]["final"])]
+        summary[arm][f"vs {first}"] = dict(mean_difference=mean(diffs), lower=sum(d < 0 for d in diffs),
+                                           higher=sum(d > 0 for d in diffs), sign_flip_p=sign_flip_p(diffs))
+        print(f"{arm} - {first}: mean {mean(diffs):+.3f}, lower on {sum(d < 0 for d in diffs)} seeds of {len(diffs)}, "
+              f"higher on {sum(d > 0 for d in diffs)}, sign-flip p = {sign_flip_p(diffs):.3f}")
     print(f"saved {write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results, summary=summary))}")
 
 if __name__ == "__main__": main()

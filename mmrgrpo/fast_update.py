@@ -6,10 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'SUFFIX', 'COMPLETION', 'PAD',
-           'keep_freed_memory', 'cast_frozen', 'matmul_dtype', 'head_logits', 'HeadStats', 'fused_chunk_stats',
-           'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base', 'micro_batch_positions', 'update_positions',
-           'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask', 'shared_prefix', 'packed_completion_stats',
-           'packs_completions']
+           'keep_freed_memory', 'trim_freed_memory', 'cast_frozen', 'matmul_dtype', 'head_logits', 'HeadStats',
+           'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base', 'micro_batch_positions',
+           'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask', 'shared_prefix',
+           'packed_completion_stats', 'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes, weakref
@@ -33,6 +33,11 @@ def keep_freed_memory(on: bool = True, limit: int = 1 << 30) -> bool:
     except (OSError, AttributeError): return False
     mmap, trim = (limit, 2 * limit) if on else (GLIBC_THRESHOLD, GLIBC_THRESHOLD)
     return bool(mallopt(M_MMAP_THRESHOLD, mmap)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
+def trim_freed_memory() -> bool:
+    "Hand the free pages of the process's heap back to the operating system (glibc's `malloc_trim`); False where there is no such call."
+    try: return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError): return False
+
 
 # %% ../nbs/34_fast_update.ipynb #fcffc867
 _CASTS = WeakTensorKeyDictionary()      # a frozen weight -> (its version, its copy in another dtype)

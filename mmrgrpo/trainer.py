@@ -32,7 +32,7 @@ from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb
-from .fast_update import keep_freed_memory, wants_bf16_base, bf16_frozen_base
+from .fast_update import keep_freed_memory, trim_freed_memory, wants_bf16_base, bf16_frozen_base
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state)
 from .signals import StopSignals
@@ -74,6 +74,7 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
                             should_stop=tools.should_stop)
     tools.scheduler.step()
     tools.backend.sync_weights(tools.model)
+    trim_freed_memory()         # memory kept for reuse within the step, handed back between steps (34_fast_update)
     for m in (reweight_metrics, rollout_metrics(rollout, rewards), prune_metrics, update_metrics, phases.metrics()):
         metrics.update(m)
     metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0],

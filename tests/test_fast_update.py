@@ -167,6 +167,25 @@ def test_keep_freed_memory_where_glibc_is():
     if platform.system() == "Linux" and "glibc" in platform.libc_ver()[0]: assert kept and restored
 
 
+def test_trim_hands_kept_memory_back():
+    "Freed memory kept for reuse stays resident until `trim_freed_memory`; run in a process of its own (the setting is the process's)."
+    import platform, subprocess, sys
+    if not (platform.system() == "Linux" and "glibc" in platform.libc_ver()[0]): pytest.skip("glibc only")
+    probe = """
+import os, torch
+from mmrgrpo.fast_update import keep_freed_memory, trim_freed_memory
+rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20
+keep_freed_memory()
+small = [torch.ones(1 << 20) for _ in range(4)]     # something live above the big block, so it sits in the heap's middle
+big = torch.ones(300 << 18); small.append(torch.ones(1 << 20)); del big
+kept = rss()
+trim_freed_memory()
+print(kept, rss())
+"""
+    kept, trimmed = map(int, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
+    assert kept - trimmed > 200                        # MiB: the freed 300 MiB block was resident, and is handed back
+
+
 def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     from mmrgrpo.trainer import train
     with tempfile.TemporaryDirectory() as d:

@@ -8,7 +8,9 @@ steps:
 - `policy`: transformers' forward on the fp32 LoRA policy (three matmuls per adapted layer), the reserved KV cache;
 - `copy-fp32`, `copy-bf16`: transformers' forward on the merged sampling copy (31_sampler_copy);
 - `fused-fp32`, `fused-bf16`: the fused decoder (31a_fused_decode) on the same copy;
-- `fused-bf16-plain`: the fused decoder with packing (and so norm folding) off: what the blocked weight layout buys.
+- `fused-bf16-plain`: the fused decoder with packing (and so norm folding) off: what the blocked weight layout buys;
+- `fused-bf16-attn16`: the fused decoder with its KV cache and attention in bf16 whatever the CPU (`attn_dtype`; the
+  default attends in fp32 on a CPU without AMX, `attention_dtype`).
 Per arm: time per step = fixed + per_row x rows, a least-squares fit over the five batch sizes; the fixed part is the cost a
 decode step pays whatever the batch.
 
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
-ARMS = ["policy", "copy-fp32", "copy-bf16", "fused-fp32", "fused-bf16", "fused-bf16-plain"]
+ARMS = ["policy", "copy-fp32", "copy-bf16", "fused-fp32", "fused-bf16", "fused-bf16-plain", "fused-bf16-attn16"]
 ROWS = [1, 8, 16, 32, 64]
 BUCKETS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::baddbmm"),
            "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
@@ -51,7 +53,7 @@ def decoder_for(arm, model, dtype):
             keep, fd.can_pack = fd.can_pack, lambda w: False
             try: dec = fd.FusedDecoder(copy)
             finally: fd.can_pack = keep
-        else: dec = fd.FusedDecoder(copy)
+        else: dec = fd.FusedDecoder(copy, torch.bfloat16 if arm.endswith("-attn16") else None)
         def prefill(ids, mask, room): return dec.prefill(ids, mask, 1, room)
         def step(ids, pos, cache): return dec.decode(ids, pos, cache)
         return prefill, step

@@ -12,7 +12,8 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
   the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
 - `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 31a_fused_decode): q/k/v and
-  gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache;
+  gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache (its KV cache and attention in
+  fp32 for bf16 weights on a CPU without AMX; `decode/fused-bf16-attn16` keeps them bf16 whatever the CPU);
 - `copy-bf16@REF`, `fused-bf16@REF` (with `--baseline-ref REF`; which of them: `--baseline-arms`, default the copy): the bf16
   copy, or its fused decoder, as the package was at commit REF, in a process of its own that runs the old code
   (`benchlib.BaselineWorker`), its rounds interleaved with the others: an earlier generation beside this one;
@@ -46,14 +47,16 @@ import benchlib as bl
 ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
         "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
         "decode/copy-bf16": dict(copy_dtype="bfloat16"), "decode/fused-fp32": dict(copy_dtype="float32", fused=True),
-        "decode/fused-bf16": dict(copy_dtype="bfloat16", fused=True), "vllm-cpu": dict(generation_backend="vllm")}
+        "decode/fused-bf16": dict(copy_dtype="bfloat16", fused=True),
+        "decode/fused-bf16-attn16": dict(copy_dtype="bfloat16", fused=True, attn_dtype="bfloat16"), "vllm-cpu": dict(generation_backend="vllm")}
 VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"     # tools/vllm_cpu_tests.sh builds it
 
 
 def backend_kwargs(arm: str) -> dict:
     import torch
     kw = dict(ARMS[arm])
-    if "copy_dtype" in kw: kw["copy_dtype"] = getattr(torch, kw["copy_dtype"])
+    for k in ("copy_dtype", "attn_dtype"):
+        if k in kw: kw[k] = getattr(torch, kw[k])
     return kw
 
 

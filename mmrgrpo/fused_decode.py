@@ -6,11 +6,12 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fused_decode.html.md"""
 
 # %% auto #0
 __all__ = ['FUSED_LAYERS', 'PACK_ROWS', 'fused_support', 'fuse_linears', 'can_pack', 'pack', 'linear', 'rms_norm', 'rotate',
-           'StaticCache', 'FusedWeights', 'FusedDecoder', 'FusedBackend']
+           'StaticCache', 'attention_dtype', 'FusedWeights', 'FusedDecoder', 'FusedBackend']
 
 # %% ../nbs/31a_fused_decode.ipynb #b50b5500
 import torch
 import torch.nn.functional as F
+from .models import cpu_flags
 from .sampler_copy import CopyBackend
 from .sampling import prompt_rows
 
@@ -96,15 +97,23 @@ class StaticCache:
             self.bias[moved] = self.bias[indices[moved]]
         self.k, self.v, self.bias = self.k[:, :m], self.v[:, :m], self.bias[:m]
 
+# %% ../nbs/31a_fused_decode.ipynb #8666a690
+def attention_dtype(dtype: torch.dtype, device="cpu") -> torch.dtype:
+    "The dtype the decoder keeps its KV cache and attends in: fp32 for bf16 weights on a CPU without AMX (`amx_bf16`), where torch's bf16 attention at one query per row is several times slower than its fp32 one; else the weights' dtype."
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "amx_bf16" not in cpu_flags(): return torch.float32
+    return dtype
+
 # %% ../nbs/31a_fused_decode.ipynb #45d302d8
 class FusedWeights:
     "A Llama-style model's weights as the fused decoder reads them: q/k/v and gate/up each one matrix; packed with the norms folded in where that pays."
-    def __init__(self, model):
+    def __init__(self, model, attn_dtype=None):   # the KV cache's and attention's dtype; None: `attention_dtype`'s pick
         why = fused_support(model)
         if why: raise ValueError(f"the fused decoder cannot run this model: {why}")
         cfg, self.model = model.config, model
         self.heads, self.kv_heads, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        w = model.lm_head.weight
+        self.attn_dtype = attn_dtype or attention_dtype(w.dtype, w.device)
         self.plain = []               # the model's own weights, q/k/v and gate/up each made one tensor
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -130,7 +139,7 @@ class FusedWeights:
 
     def new_cache(self, rows: int, room: int) -> StaticCache:
         w = self.model.lm_head.weight
-        return StaticCache(len(self.plain), rows, self.kv_heads, room, self.head_dim, w.dtype, w.device)
+        return StaticCache(len(self.plain), rows, self.kv_heads, room, self.head_dim, self.attn_dtype, w.device)
 
 # %% ../nbs/31a_fused_decode.ipynb #55b7eee3
 class FusedDecoder(FusedWeights):
@@ -147,9 +156,9 @@ class FusedDecoder(FusedWeights):
             qkv = linear(rms_norm(x, l["norm1"], self.eps), l["qkv"], l["qkv_bias"]).view(B, S, H + 2 * Hkv, D)
             qk = rotate(qkv[:, :, :H + Hkv], cos, sin)                   # queries and keys turned together
             cache.k[j, :, :, n:n + S], cache.v[j, :, :, n:n + S] = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), cache.k[j, :, :, :n + S], cache.v[j, :, :, :n + S],
-                                               attn_mask=bias, enable_gqa=H != Hkv)
-            x = x + linear(o.transpose(1, 2).reshape(B, S, H * D), l["o"], l["o_bias"])
+            q = qk[:, :, :H].transpose(1, 2).to(cache.k.dtype)           # (a no-op unless attention runs in fp32)
+            o = F.scaled_dot_product_attention(q, cache.k[j, :, :, :n + S], cache.v[j, :, :, :n + S], attn_mask=bias, enable_gqa=H != Hkv)
+            x = x + linear(o.transpose(1, 2).reshape(B, S, H * D).to(x.dtype), l["o"], l["o_bias"])
             gate, up = linear(rms_norm(x, l["norm2"], self.eps), l["gate_up"]).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, l["down"])
         cache.n = n + S
@@ -176,10 +185,10 @@ class FusedDecoder(FusedWeights):
 # %% ../nbs/31a_fused_decode.ipynb #f32f5c7f
 class FusedBackend(CopyBackend):
     "`CopyBackend` whose prefill and decode steps run the merged copy through `FusedDecoder`."
-    def __init__(self, model, tokenizer, *args, copy_dtype: torch.dtype, **kwargs):
+    def __init__(self, model, tokenizer, *args, copy_dtype: torch.dtype, attn_dtype=None, **kwargs):
         super().__init__(model, tokenizer, *args, copy_dtype=copy_dtype, **kwargs)
         if not self.drop_finished: raise ValueError("the fused decoder runs our decode loop: drop_finished must be True")
-        self.decoder = FusedDecoder(self.model)
+        self.decoder = FusedDecoder(self.model, attn_dtype)
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):
         ids, mask, g = prompt_rows(enc, num_generations, self.share_prompt, device)

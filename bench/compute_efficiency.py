@@ -102,7 +102,8 @@ def padded_counts(rows: int, group: int, P: int, T: int, share: bool) -> dict:
 def useful_counts(ro) -> dict:
     "The same counts over the tokens that count: the prompts' shared prefix once, each group's own prompt tokens, each completion up to its last counted token."
     import torch
-    from mmrgrpo.fast_update import shared_prefix, counted_lengths
+    from mmrgrpo.fast_update import counted_lengths
+    from mmrgrpo.fused_decode import shared_prefix
     runs = torch.unique_consecutive(ro.group_ids, return_counts=True)[1].tolist()
     first = [sum(runs[:i]) for i in range(len(runs))]
     K = shared_prefix(ro.prompt_ids[first], ro.prompt_mask[first])

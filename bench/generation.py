@@ -13,7 +13,8 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
 - `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 31a_fused_decode): q/k/v and
   gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache (its KV cache and attention in
-  fp32 for bf16 weights on a CPU without AMX; `decode/fused-bf16-attn16` keeps them bf16 whatever the CPU);
+  fp32 for bf16 weights on a CPU without AMX; `decode/fused-bf16-attn16` keeps them bf16 whatever the CPU; the prompts' shared prefix prefilled once,
+  `decode/fused-bf16-noprefix` prefills each prompt whole);
 - `copy-bf16@REF`, `fused-bf16@REF` (with `--baseline-ref REF`; which of them: `--baseline-arms`, default the copy): the bf16
   copy, or its fused decoder, as the package was at commit REF, in a process of its own that runs the old code
   (`benchlib.BaselineWorker`), its rounds interleaved with the others: an earlier generation beside this one;
@@ -48,7 +49,8 @@ ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter
         "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
         "decode/copy-bf16": dict(copy_dtype="bfloat16"), "decode/fused-fp32": dict(copy_dtype="float32", fused=True),
         "decode/fused-bf16": dict(copy_dtype="bfloat16", fused=True),
-        "decode/fused-bf16-attn16": dict(copy_dtype="bfloat16", fused=True, attn_dtype="bfloat16"), "vllm-cpu": dict(generation_backend="vllm")}
+        "decode/fused-bf16-attn16": dict(copy_dtype="bfloat16", fused=True, attn_dtype="bfloat16"),
+        "decode/fused-bf16-noprefix": dict(copy_dtype="bfloat16", fused=True, share_prefix=False), "vllm-cpu": dict(generation_backend="vllm")}
 VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"     # tools/vllm_cpu_tests.sh builds it
 
 

@@ -8,8 +8,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'SUFFIX', 'COMPLETION', 'PAD',
            'keep_freed_memory', 'trim_freed_memory', 'cast_frozen', 'matmul_dtype', 'head_logits', 'HeadStats',
            'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base', 'micro_batch_positions',
-           'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask', 'shared_prefix',
-           'packed_completion_stats', 'packs_completions']
+           'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask', 'packed_completion_stats',
+           'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes, weakref
@@ -21,6 +21,7 @@ from .models import choose_dtype
 from .logprobs import token_stats
 from .sampling import cache_kwarg, output_cache
 from .advantages import as_group_ids, group_runs
+from .fused_decode import shared_prefix
 
 # %% ../nbs/34_fast_update.ipynb #b78e030e
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3         # glibc's mallopt parameters (malloc.h)
@@ -213,16 +214,6 @@ def packed_mask(pack: dict, prefix: int = 0) -> torch.Tensor:
     return torch.cat([seen, prompt | own | pad], 2)[:, None]
 
 # %% ../nbs/34_fast_update.ipynb #8f9a2fbe
-def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    "How many first tokens all the (left-padded) prompts share, keeping at least one token of each prompt its own."
-    lengths = prompt_mask.long().sum(-1)
-    n = int(lengths.min()) - 1
-    if n <= 0: return 0
-    P = prompt_ids.shape[1]
-    heads = torch.stack([prompt_ids[i, P - int(l):P - int(l) + n] for i, l in enumerate(lengths)])
-    same = (heads == heads[:1]).all(0)
-    return n if bool(same.all()) else int(same.long().argmin())
-
 def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
                             chunk_size: int = 1024, with_sumsq: bool = False,
                             group_size=1,   # G (int) or (N,) group ids: rows of a group share their prompt

@@ -4,7 +4,7 @@ sampling is reproducible, the sampler's log-probs are the copy's own, a bf16 cop
 refuses it) as the config says."""
 import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
-from mmrgrpo.fused_decode import FusedBackend, FusedDecoder, fused_support, pack, linear
+from mmrgrpo.fused_decode import FusedBackend, FusedDecoder, PREFIX_MIN_SAVED, fused_support, pack, linear, shared_prefix
 from mmrgrpo.logprobs import completion_stats
 from mmrgrpo.models import add_lora, tiny_random_model
 from mmrgrpo.sampler_copy import CopyBackend
@@ -12,6 +12,8 @@ from mmrgrpo.sampling import HFBackend
 from mmrgrpo.config import GRPOConfig
 
 PROMPTS = ["What is 2 + 3?", "Name a prime number larger than ten, please, and say why.", "x"]
+LEAD = "You are a careful assistant. Think step by step, then put the final answer alone in a box at the very end. "
+PREFIXED = [LEAD + p for p in PROMPTS]     # a shared prefix long enough to be prefilled once (PREFIX_MIN_SAVED)
 
 
 def lively(model, seed=0, scale=0.2):
@@ -49,14 +51,17 @@ def greedy_reference(policy, tok, prompts, G, n):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fp32_greedy_equals_generate(tokenizer, arch):
+@pytest.mark.parametrize("prompts", [PROMPTS, PREFIXED], ids=["plain", "shared-prefix"])
+def test_fp32_greedy_equals_generate(tokenizer, arch, prompts):
     base = lively(tiny_random_model(tokenizer, seed=1) if arch == "llama" else qwen2(tokenizer))
     assert fused_support(base) == ""
     policy = lora_policy(base)
-    want = greedy_reference(policy, tokenizer, PROMPTS, 3, 16)
+    want = greedy_reference(policy, tokenizer, prompts, 3, 16)
     for share in (True, False):
-        got = FusedBackend(policy, tokenizer, share_prompt=share, copy_dtype=torch.float32).generate(PROMPTS, 3, 16, greedy=True)
-        assert torch.equal(got.completion_ids, want), share
+        for prefix in (True, False):
+            got = FusedBackend(policy, tokenizer, share_prompt=share, share_prefix=prefix,
+                               copy_dtype=torch.float32).generate(prompts, 3, 16, greedy=True)
+            assert torch.equal(got.completion_ids, want), (share, prefix)
     assert len(set(map(tuple, want.tolist()))) > 1                 # the example is not degenerate: completions differ
 
 
@@ -146,3 +151,14 @@ def test_smollm2_greedy_equals_generate(smollm2_path, tokenizer):
                                      tokenize=False, add_generation_prompt=True) for a, b in [(7, 5), (23, 45), (31, 12)]]
     want = greedy_reference(policy, tok, chats, 2, 24)
     assert torch.equal(FusedBackend(policy, tok, copy_dtype=torch.float32).generate(chats, 2, 24, greedy=True).completion_ids, want)
+
+
+def test_shared_prefix_is_used_and_sampling_matches(tokenizer):
+    "The prefixed prompts do share a prefix worth splitting off, and seeded sampling gives the same completions with and without it."
+    enc = tokenizer(PREFIXED, return_tensors="pt", padding=True, add_special_tokens=False)
+    K = shared_prefix(enc.input_ids[:, :-1], enc.attention_mask[:, :-1])
+    assert K * (len(PREFIXED) - 1) >= PREFIX_MIN_SAVED
+    policy = lora_policy(lively(tiny_random_model(tokenizer, seed=4)))
+    runs = [FusedBackend(policy, tokenizer, share_prefix=p, copy_dtype=torch.float32).generate(PREFIXED, 4, 12, seed=7)
+            for p in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)

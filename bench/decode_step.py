@@ -14,7 +14,7 @@ steps:
 Per arm: time per step = fixed + per_row x rows, a least-squares fit over the five batch sizes; the fixed part is the cost a
 decode step pays whatever the batch.
 
-Parts: torch's profiler over `--steps` decode steps at 32 rows for `copy-bf16` and `fused-bf16`, each op's own CPU time
+Parts: torch's profiler over `--steps` decode steps at 32 rows for `copy-bf16`, `fused-bf16` and `fused-bf16-attn16`, each op's own CPU time
 sorted into matmuls (mm, addmm, bmm, oneDNN linear), attention (scaled_dot_product_*), copies and casts (copy_, _to_copy, cat,
 index*, clone, contiguous), elementwise (everything else the profiler counts), and "outside ops": the wall-clock of the step
 minus the ops' CPU time (Python, transformers' bookkeeping, the dispatcher between ops).
@@ -172,7 +172,7 @@ def main(argv=None):
     print(bl.table(summary, ["arm", *[f"ms@{b}" for b in rows], "fixed_ms", "per_row_ms"],
                    {k: ".1f" for k in [*[f"ms@{b}" for b in rows], "fixed_ms"]} | {"per_row_ms": ".2f"}))
     prof_rows = 4 if args.quick else 32
-    breakdown = {a: parts(*arms[a], *batch[prof_rows], steps) for a in ("copy-bf16", "fused-bf16") if a in arms}
+    breakdown = {a: parts(*arms[a], *batch[prof_rows], steps) for a in ("copy-bf16", "fused-bf16", "fused-bf16-attn16") if a in arms}
     for a, p in breakdown.items():
         print(f"\n{a}, one step of {prof_rows} rows, ms by part: " + ", ".join(f"{k} {v:.1f}" for k, v in p.items()))
     comp = compiled_step(model, *batch[prof_rows], steps) if args.compile else None

@@ -179,7 +179,7 @@ def embedder_window(model) -> int:
 
 def embed_completions(texts: list[str],     # completion texts, without the prompt
                       model,                # a sentence-transformers model, e.g. from `load_embedder`
-                      batch_size: int = 64, # texts per forward pass of the embedder
+                      batch_size: int = 16, # texts per forward pass; sentence-transformers sorts them by length, so small batches pad less
                       return_truncated: bool = False,  # also return how many texts were longer than the embedder's window
                      ):                     # (N, D) float32 unit-norm rows on the model's device [, number truncated]
     "Unit-norm float32 embeddings of the completion texts; a text longer than the embedder's window is embedded from its END."

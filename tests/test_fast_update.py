@@ -40,12 +40,12 @@ def one_update(tokenizer, c, bf16_base=False):
     return metrics["loss"], torch.cat([grads[i].flatten() for i in range(len(params))])
 
 
-
 def assert_grads_close(got, want):
     "Equal to fp32 rounding: each element within 1e-4 relative or 1e-5 of the largest gradient."
     # sums in another order differ by ~1e-6 of the largest gradient on some CPUs (4e-7 of 0.098 on an AMD EPYC), far below
     # what a wrong mask or position moves
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
 
 def test_closed_form_head_gives_the_checkpointed_chunk(tokenizer):
     c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7, temperature=0.8)

@@ -8,7 +8,7 @@ from mmrgrpo.fast_update import (HeadStats, bf16_frozen_base, cast_frozen, keep_
                                  wants_bf16_base)
 from mmrgrpo.models import add_lora, tiny_random_model
 from mmrgrpo.sampling import Rollout
-from mmrgrpo.step import UpdateBatch, update
+from mmrgrpo.step import UpdateBatch, prune, update
 from mmrgrpo.runlog import Phases
 
 
@@ -34,8 +34,7 @@ def one_update(tokenizer, c, bf16_base=False):
     class Keep(torch.optim.SGD):          # an optimizer that records the gradients it is given and steps nothing
         def step(self, closure=None):
             for i, p in enumerate(params): grads[i] = p.grad.detach().clone()
-    ro = rollout(tokenizer)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 1.5, -1.5])
+    ro, adv, _ = prune(rollout(tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 1.5, -1.5]), c)  # CPPO where c asks
     metrics = update(policy, Keep(params, lr=0.0), ro, adv, c)
     return metrics["loss"], torch.cat([grads[i].flatten() for i in range(len(params))])
 
@@ -206,9 +205,10 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     assert "fused decoder" in row["precision/sampler"]
 
 
-def test_packed_rows_give_the_padded_update(tokenizer):
-    "`pack_completions` drops the pad positions; the loss and the adapters' gradients are the padded rows' to float rounding."
-    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7)
+@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}])
+def test_packed_rows_give_the_padded_update(tokenizer, methods):
+    "`pack_completions` drops the pad positions; the loss and the adapters' gradients are the padded rows' to float rounding, with CPPO and GMTS on too."
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7, **methods)
     loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, pack_completions=False))
     loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, pack_completions=True))
     assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)

@@ -9,6 +9,7 @@ Arms (same task, seeds, prompts per step, model and evaluation set; only the acc
   gmts          GMTS: the update trains on the top 20% of tokens by |gradient| estimate
   all           MMR (credit) + CPPO + GMTS together; all_ref the same with the paper's MMR rule
   cppo_gmts     CPPO + GMTS
+  all_p50, all_k50   all three with a milder cut: CPPO at P=0.5 (4 of 8 completions kept), or GMTS keeping 50% of tokens
   dr_grpo, mmr_dr_grpo   (with --with-dr) DR-GRPO (advantage r - mean, loss_type dr_grpo) without and with MMR
 
 Default setting (sized for about 50 minutes on 2 CPU cores): SmolLM2-135M-Instruct + LoRA, arithmetic level 2 (two-digit
@@ -41,7 +42,9 @@ ARMS = {"grpo": {}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant"
         "cppo": {"prune_rate": 0.75}, "gmts": {"token_selection": "gmts"},
         "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"},
         "all_ref": {"mmr": True, "mmr_variant": "reference", "prune_rate": 0.75, "token_selection": "gmts"},
-        "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"}}
+        "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"},
+        "all_p50": {"mmr": True, "prune_rate": 0.5, "token_selection": "gmts"},
+        "all_k50": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts", "keep_ratio": 0.5}}
 # "mmr" and "all" use the default MMR rule, the diversity credit; "mmr_ref" and "all_ref" the paper's rule
 DR_ARMS = {"dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
            "mmr_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none", "mmr": True}}

@@ -26,10 +26,11 @@ Crash safety: each (arm, seed) run trains in runs/bench_tta/<tag>/<arm>-seed<k>/
 finished run writes bench/results/time_to_accuracy[_quick]/<arm>-seed<k>.json and the summary is rewritten after every run.
 Running the script again skips finished runs and resumes an interrupted one from its last checkpoint (--fresh starts over).
 
-    python bench/time_to_accuracy.py                     # full: 5 arms x 2 seeds x 12 steps, about 50 min on 2 cores
+    python bench/time_to_accuracy.py                     # full: grpo, mmr, cppo, gmts, all x 2 seeds x 12 steps, about 50 min
+    python bench/time_to_accuracy.py --arms all_k50,all_p50   # other arms by name (grpo is added as the reference)
     python bench/time_to_accuracy.py --with-dr           # + the two DR-GRPO arms, about 70 min
     python bench/time_to_accuracy.py --steps 15          # longer curves, about 60 min
-    python bench/time_to_accuracy.py --quick             # every arm, 2 steps, tiny random model: about 2-3 min
+    python bench/time_to_accuracy.py --quick             # the default arms, 2 steps, tiny random model: about 2-3 min
     python bench/time_to_accuracy.py --report-only       # rebuild the summary and plots from the finished runs
 """
 import argparse, dataclasses, gc, json, os, shutil, statistics, sys, time
@@ -48,6 +49,7 @@ ARMS = {"grpo": {}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant"
 # "mmr" and "all" use the default MMR rule, the diversity credit; "mmr_ref" and "all_ref" the paper's rule
 DR_ARMS = {"dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
            "mmr_dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none", "mmr": True}}
+DEFAULT_ARMS = ("grpo", "mmr", "cppo", "gmts", "all")     # the study's five; name the others with --arms
 TARGET = 0.95
 
 
@@ -274,8 +276,9 @@ def report(runs, arms, seeds, base, c0, args, meta, res_dir, tag) -> dict:
 
 def main(argv=None):
     ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
-                        "every arm for 2 steps on the tiny random model (checks the pipeline, about 2-3 min)")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS) + list(DR_ARMS)}")
+                        "the arms for 2 steps on the tiny random model (checks the pipeline, about 2-3 min)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated, from {list(ARMS) + list(DR_ARMS)} (default: {','.join(DEFAULT_ARMS)})")
     ap.add_argument("--with-dr", action="store_true", help="add the dr_grpo and mmr_dr_grpo arms")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--model", default=None, help="default smollm2 (--quick: tiny-random)")

@@ -18,18 +18,19 @@ from .safety import replace_file
 # %% ../nbs/45_cli.ipynb #40c62b88
 DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=8, max_completion_length=32,
             learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=15, eval_size=64,
-            eval_every=5, save_every=5, log_completions_every=5, output_dir="runs/demo", seed=0,
+            eval_every=5, save_every=5, save_best=True, log_completions_every=5, output_dir="runs/demo", seed=0,
             overwrite=True)      # the demo replaces its own earlier run
 
 # %% ../nbs/45_cli.ipynb #a5924f8b
 def summary_table(res, wall: float) -> str:
-    "Plain-text summary of a run: accuracy before/after and wall-clock per phase."
+    "Plain-text summary of a run: accuracy before/after, the best evaluation (with `save_best`) and wall-clock per phase."
     rows = res.metrics
     phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/step"})
     lines = ["", "| metric | value |", "|---|---|"]
     for k in ("eval/accuracy", "eval/pass@1", "eval/format"):
         if k in res.eval_before or k in res.eval_after:
             lines.append(f"| {k} before -> after | {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after.get(k, float('nan')):.3f} |")
+    if res.best: lines.append(f"| best eval/accuracy (best-checkpoint) | {res.best['eval/accuracy']:.3f} after step {res.best['step']} |")
     lines.append(f"| steps | {len(rows)} |")
     lines.append(f"| wall-clock, whole run | {wall:.0f} s |")
     for k in phases:
@@ -137,7 +138,7 @@ def demo(overrides=(), config=None) -> int:
     table = summary_table(res, wall)
     replace_file(res.output_dir / "summary.md", table + "\n")
     replace_file(res.output_dir / "summary.json", json.dumps({"eval_before": res.eval_before, "eval_after": res.eval_after,
-                                                              "steps": len(res.metrics), "wall_s": wall}, indent=1))
+                                                              "best": res.best, "steps": len(res.metrics), "wall_s": wall}, indent=1))
     print(table)
     print(f"\nreward curve: {png}\nmetrics: {res.output_dir / 'metrics.jsonl'}")
     return 0

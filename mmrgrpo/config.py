@@ -116,6 +116,7 @@ class GRPOConfig:
     eval_samples: int = _f(0, "sampled completions per task for pass@1 (0: greedy accuracy only)")
     eval_before: bool = _f(True, "evaluate before the first step")
     save_every: int = _f(10, "write a checkpoint every N steps (0: only at the end)")
+    save_best: bool = _f(False, "also keep best-checkpoint: the weights of the best held-out eval/accuracy so far (needs eval_every > 0)")
     log_completions_every: int = _f(5, "print a table of sample completions every N steps (0: never)")
     output_dir: str = _f("runs/latest", "folder for metrics.jsonl, checkpoints, plots")
     log_with: list = _f(["jsonl"], "metric sinks: any of jsonl (always on), tensorboard, trackio, wandb")
@@ -239,7 +240,7 @@ def _check_methods(c: GRPOConfig, need):
     need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
 
 def _check_engines(c: GRPOConfig, world_size: int, need):
-    "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume."
+    "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume, the best checkpoint."
     need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off with hf); "
          "it caps the importance weight pi_learner / pi_sampler")
     need(not (c.tis_cap and c.generation_backend == "hf" and c.sampler_dtype == "policy"), f"tis_cap={c.tis_cap} with "
@@ -264,6 +265,8 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
          "backend's merged sampling copy; set fused_decode=auto")
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
     need(not (c.overwrite and c.resume_from), f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
+    need(not c.save_best or (c.eval_every and c.eval_size), f"save_best=true with eval_every={c.eval_every}, eval_size={c.eval_size}: "
+         "the best checkpoint is picked by the held-out evaluations every eval_every steps; set both above 0")
 
 # %% ../nbs/12_config.ipynb #a04dfd4d
 def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:

@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval',
-           'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'run_steps',
+           'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'run_steps',
            'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend',
            'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source', 'build_prompt',
            'step_seed', 'fit_prompts', 'short_questions', 'plot_rewards']
@@ -30,11 +30,12 @@ from .fused_decode import FusedBackend, fused_support
 from .kvcache import reserve_cache
 from .mmr import load_embedder
 from .evaluate import evaluate
-from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info
+from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb
 from .fast_update import keep_freed_memory, trim_freed_memory, wants_bf16_base, bf16_frozen_base
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
-                                 where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state)
+                                 where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
+                                 best_record)
 from .signals import StopSignals
 from .step import score, advantages_for, prune, update, rollout_metrics, check_step_memory
 
@@ -101,6 +102,7 @@ class TrainResult:
     model: object = None
     tokenizer: object = None
     backend: object = None   # the generation backend (e.g. to measure a vLLM engine's log-prob gap after training)
+    best: dict = None        # save_best: {'step', 'eval/accuracy'} of the run's best-checkpoint
 
 def run_eval(backend, eval_prompts, eval_answers, c, tokenizer):
     "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak resident memory (memory/eval, MB)."
@@ -179,6 +181,16 @@ def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
                                  "Lower learning_rate or check the reward functions.")
     return metrics, skipped_update
 
+def keep_if_best(run: Run, step: int, metrics: dict):
+    "With `save_best`: when this evaluation's `eval/accuracy` beats the run's best so far, record it and write `best-checkpoint` (the weights of step `step`, as evaluated)."
+    acc = metrics.get("eval/accuracy")
+    if not run.c.save_best or acc is None: return
+    acc = all_reduce_sum(acc) / run.world       # one decision on every process (a sharded model's save is a collective)
+    if (best := run.state.get("best")) is not None and acc <= best["eval/accuracy"]: return
+    run.state["best"] = {"step": step, "eval/accuracy": acc}
+    t = run.tools
+    if run.rank == 0 or is_sharded(t.model): save_checkpoint(run.out, step, t.model, t.optimizer, t.scheduler, run.c, run.state, name=BEST)
+
 # %% ../nbs/44_trainer.ipynb #07ee395e
 def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = True) -> list:
     "Steps `start + 1` to `c.steps` (or `stop_after`): `train_step`, then logging, evaluation and checkpoints; the logged rows."
@@ -196,6 +208,7 @@ def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = Tru
             except StepAbandoned: raise abandon_step(stop, c, tools, out, step, run.state, rng) from None
             done = step + 1
             metrics, skipped_update = log_step(run, done, result, bar)
+            keep_if_best(run, done, metrics)
             rows.append({"step": done, **metrics})
             stopping = stop.requested()
             if rank == 0 or is_sharded(tools.model): save_after_step(c, tools, out, done, run.state, skipped_update, stopping)
@@ -218,6 +231,7 @@ def eval_before_training(run: Run, start: int) -> dict:
     if not (data.eval_prompts and c.eval_before and start == 0): return {}
     metrics = run.evaluate_now(); run.logger.log(metrics, 0)
     if rank == 0: print(eval_line("before training", metrics))
+    keep_if_best(run, 0, metrics)
     return metrics
 
 def eval_after_training(run: Run, stop_after: int = None) -> dict:
@@ -227,6 +241,7 @@ def eval_after_training(run: Run, stop_after: int = None) -> dict:
     logger_after = MetricsLogger(run.out, ("jsonl",), resume_step=10**9, enabled=run.rank == 0)
     logger_after.log(metrics, run.c.steps); logger_after.close()
     if run.rank == 0: print(eval_line("after training", metrics))
+    keep_if_best(run, run.c.steps, metrics)
     return metrics
 
 def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop) -> TrainResult:
@@ -235,13 +250,16 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     data, tools, first_metrics = set_up_run(c, model, tokenizer, rank, world, stop)
     start, state = 0, {"nonfinite_in_a_row": 0, "world_size": world}
     if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
+    if c.save_best and checkpoint is not None: state["best"] = best_record(out)    # what best-checkpoint holds, not the old state
     logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
     evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer)
     run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
     eval_before = eval_before_training(run, start)
     rows = run_steps(run, start, stop_after, progress)
     eval_after = eval_after_training(run, stop_after)
-    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend)
+    if (best := state.get("best")) and rank == 0:
+        print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
+    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best if c.save_best else None)
 
 # %% ../nbs/44_trainer.ipynb #28d09f65
 @dataclass

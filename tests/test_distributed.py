@@ -96,6 +96,8 @@ def worker(out: Path):
     from mmrgrpo.trainer import train
     train(load_config(overrides=tiny_run_args(out / "run")[1:]), progress=False)    # a 2-process step; rank 0 logs, checkpoints
     torch.distributed.barrier()                                                     # checkpoint-1 is written
+    train(load_config(overrides=tiny_run_args(out / "best", steps=2, eval_size=2, eval_every=1, save_best=True)[1:]),
+          progress=False)                                # keep_if_best: one decision on both processes, rank 0 writes
     sys.exit(main(tiny_run_args(out / "run", steps=2, resume_from="latest")))      # resumed through the command line
 
 
@@ -147,6 +149,14 @@ def test_rank0_logs_and_checkpoints_and_resume_needs_same_world_size(two_process
     c = load_config(overrides=tiny_run_args(run, steps=3, resume_from="latest")[1:])
     with pytest.raises(ConfigError, match=r"written by a run on 2 process\(es\) and this run has 1"):
         train(c, progress=False)
+
+
+def test_save_best_on_two_processes(two_process_run):
+    from mmrgrpo.checkpoints import checkpoint_problem
+    best = two_process_run / "best" / "best-checkpoint"
+    assert checkpoint_problem(best) is None
+    state = json.loads((best / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["best"]["step"] == state["step"]
 
 
 @pytest.mark.parametrize("cuda,backend", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")])

@@ -4,7 +4,8 @@ Launched once under `torchrun --standalone --nproc_per_node=2` (this very file),
 - runs `update` on a sharded copy of the fixed batch of tests/test_distributed.py (its half of the groups) and saves the
   gradient it would apply, gathered whole; the test compares it with the 1-process gradient of the whole batch;
 - trains the tiny model 2 steps data-parallel (`sharding='none'`) and sharded, and once more sharded but stopped after step 1
-  and resumed; the test compares the trained weights and optimizer states.
+  and resumed; the test compares the trained weights and optimizer states;
+- trains sharded with `save_best` (its best-checkpoint is written through the same collective as every checkpoint).
 A second test launches the command line through `accelerate launch` with the shipped fsdp2 and ddp configs.
 """
 import json, os, subprocess, sys, time
@@ -81,6 +82,7 @@ def worker(out: Path):
         train(run_config(out / f"{kind}-resumed", kind, sharding="fsdp2"), progress=False, stop_after=1)
         torch.distributed.barrier()                          # rank 0 has written checkpoint-1
         train(run_config(out / f"{kind}-resumed", kind, sharding="fsdp2", resume_from="latest"), progress=False)
+    train(run_config(out / "lora-best", "lora", sharding="fsdp2", eval_size=2, eval_every=1, save_best=True), progress=False)
     (out / f"seen-rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -95,6 +97,14 @@ def fsdp_run(tmp_path_factory, smollm2_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(f"2-process FSDP run: {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def test_save_best_on_a_sharded_run(fsdp_run):
+    from mmrgrpo.checkpoints import checkpoint_problem
+    best = fsdp_run / "lora-best" / "best-checkpoint"
+    assert checkpoint_problem(best) is None
+    state = json.loads((best / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["best"]["step"] == state["step"]
 
 
 def trained_weights(ck: Path) -> dict:

@@ -186,6 +186,8 @@ BAD_CONFIGS = {   # change -> (what the message must name, what it must say to d
     "lora_dropout < 0": (dict(lora_dropout=-0.1), "lora_dropout=-0.1", "must be in [0, 1)"),
     "eval_every < 0": (dict(eval_every=-1), "eval_every=-1", "must be >= 0"),
     "save_every < 0": (dict(save_every=-5), "save_every=-5", "must be >= 0"),
+    "save_best without evaluations": (dict(save_best=True, eval_every=0), "save_best=true with eval_every=0",
+                                      "set both above 0"),
     "log_completions_every < 0": (dict(log_completions_every=-1), "log_completions_every=-1", "must be >= 0"),
     "eval_samples < 0": (dict(eval_samples=-4), "eval_samples=-4", "must be >= 0"),
     "vLLM memory 0": (dict(vllm_gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization=0.0", "must be in (0, 1]"),

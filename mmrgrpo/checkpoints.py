@@ -10,7 +10,7 @@ __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'BEST
            'save_checkpoint', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError',
            'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record', 'clear_run',
            'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
-           'where_to_resume', 'TrainingInterrupted']
+           'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
 import contextlib, errno, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys
@@ -243,6 +243,7 @@ def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
     "Ready `out` for run `c`; returns the checkpoint to resume from (None: a fresh run). A fresh run refuses a folder holding a run unless `overwrite` (which clears it first)."
     if c.resume_from and c.resume_from != "latest": check_resume_into(out, Path(c.resume_from))
     ck = resume_checkpoint(out, c) if c.resume_from else None
+    if ck is not None and c.resume_from != "latest": check_no_later_checkpoints(out, ck)
     if not c.resume_from and (old := run_in(out)):
         if not c.overwrite:
             raise ConfigError(f"output_dir={str(out)!r} holds a run ({', '.join(p.name for p in old)}): continue it with "
@@ -324,6 +325,14 @@ def check_resume_into(out: Path, ck: Path):
         raise ConfigError(f"resume_from={str(ck)!r} is a checkpoint of the run in {owner}, and output_dir={str(out)!r} holds another "
                           f"run ({', '.join(p.name for p in old)}): resume into {owner} (output_dir={str(owner)!r}) or into an "
                           "empty output_dir")
+
+def check_no_later_checkpoints(out: Path, ck: Path):
+    "A verified checkpoint `ck` continues in `out` only if `out` holds no later `checkpoint-<step>` (of the run that went on past it)."
+    step = int(json.loads((ck / "trainer_state.json").read_text())["step"])
+    if later := [p.name for p in checkpoints(out) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) > step]:
+        raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, which went on to {', '.join(later)}: "
+                          "a run continuing there would mix its checkpoints with those (and rotating them would remove its "
+                          "own first); resume into an empty output_dir, or remove the later checkpoints first")
 
 # %% ../nbs/42_checkpoints.ipynb #01c74c6e
 def where_to_resume(ck) -> str:

@@ -235,6 +235,16 @@ def test_an_unreadable_checkpoint_file_is_an_error_naming_it(run):
 # --- 8: only checkpoint-<number> folders are the run's
 
 
+def test_an_earlier_checkpoint_continues_only_in_an_empty_folder(run, tmp_path):
+    "In its own folder the new steps would be rotated away first (checkpoint-3 is newer) and a crash would resume the old branch."
+    with pytest.raises(ConfigError) as e: train(cfg(run, steps=4, resume_from=str(run / "checkpoint-2")), progress=False)
+    assert f"is step 2 of the run in {run}, which went on to checkpoint-3" in str(e.value)
+    assert names(run) == ["checkpoint-2", "checkpoint-3"] and steps_logged(run) == [1, 2, 3]        # nothing touched
+    branch = tmp_path / "branch"
+    train(cfg(branch, steps=4, resume_from=str(run / "checkpoint-2")), progress=False)
+    assert names(branch) == ["checkpoint-3", "checkpoint-4"] and steps_logged(branch) == [3, 4]
+
+
 def test_only_numbered_checkpoint_folders_are_the_runs(run):
     mine = {"checkpoint-best/weights.bin": "best", "checkpoint-2-backup/weights.bin": "backup", "checkpoint-notes.txt": "notes"}
     for name, text in mine.items():

@@ -75,7 +75,7 @@ def run_command(args) -> int:
     from mmrgrpo.trainer import train, plot_rewards
     from mmrgrpo.distributed import dist_info
     res = train(c)
-    if dist_info()[0] == 0: plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png")
+    if dist_info()[0] == 0: plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png", best=res.best)
     leave_process_group()
     return 0
 
@@ -134,7 +134,7 @@ def demo(overrides=(), config=None) -> int:
     t0 = time.perf_counter()
     res = train(c)
     wall = time.perf_counter() - t0
-    png = plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png")
+    png = plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png", best=res.best)
     table = summary_table(res, wall)
     replace_file(res.output_dir / "summary.md", table + "\n")
     replace_file(res.output_dir / "summary.json", json.dumps({"eval_before": res.eval_before, "eval_after": res.eval_after,

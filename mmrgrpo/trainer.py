@@ -410,8 +410,8 @@ def short_questions(c: GRPOConfig, tasks: list, name: str) -> list:
     return [t for i, t in enumerate(tasks) if i not in set(long)]
 
 # %% ../nbs/44_trainer.ipynb #311b4517
-def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_reward", "reward_mmr")):
-    "Save a PNG of the training reward curves (and held-out accuracy points) from a metrics.jsonl."
+def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_reward", "reward_mmr"), best: dict = None):
+    "Save a PNG of the training reward curves (and held-out accuracy points) from a metrics.jsonl; `best` (a `TrainResult.best`) is starred."
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = read_metrics(metrics_path)
@@ -421,6 +421,8 @@ def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_rewar
         if pts: ax.plot(*zip(*pts), label=k, marker=".")
     ev = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     if ev: ax.plot(*zip(*ev), "o--", color="black", label="held-out accuracy (greedy)")
+    if best: ax.plot(best["step"], best["eval/accuracy"], "*", color="gold", markeredgecolor="black", markersize=16,
+                     label=f"best-checkpoint (step {best['step']})")
     ax.set_xlabel("step"); ax.set_ylabel("reward / accuracy"); ax.grid(alpha=0.3); ax.legend()
     buf = io.BytesIO()
     fig.tight_layout(); fig.savefig(buf, format="png", dpi=100); plt.close(fig)

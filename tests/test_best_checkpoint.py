@@ -61,6 +61,7 @@ def test_best_checkpoint_holds_the_weights_of_the_best_evaluation(tmp_path, monk
     assert adapter_bytes(best) != adapter_bytes(out / "checkpoint-4")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]   # rotation leaves it alone
     assert f"best held-out accuracy 0.600 at step 2: {best}" in capsys.readouterr().out
+    assert T.plot_rewards(out / "metrics.jsonl", tmp_path / "curve.png", best=res.best).stat().st_size > 0   # starred
 
 
 def test_a_resumed_run_compares_with_what_best_checkpoint_holds(tmp_path, monkeypatch):

@@ -233,7 +233,7 @@ def best_record(out) -> dict:
     return json.loads((d / "trainer_state.json").read_text()).get("best")
 
 def clear_run(out):
-    "Remove a run's files from `out`: checkpoints (half-written ones too), metrics, config, plots, summaries, TensorBoard logs."
+    "Remove a run's files from `out`: checkpoints (half-written ones and best-checkpoint too), metrics, config, plots, summaries, TensorBoard logs."
     out = Path(out)
     for p in checkpoints(out) + list(out.glob(".tmp-checkpoint-*")) + [out / n for n in RUN_FILES]:
         if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)

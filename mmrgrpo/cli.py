@@ -104,7 +104,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)])
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     res = run_eval(HFBackend(model, tok, c.max_prompt_length, cache_room=reserve_cache), [build_prompt(tok, c, t["question"], src) for t in tasks],
-                [t["answer"] for t in tasks], c, tok)
+                [t["answer"] for t in tasks], c, tok, progress=True)
     print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # the per-task list is for files
     return 0
 

@@ -28,12 +28,15 @@ def evaluate(backend, prompts: list, answers: list,
     def run(n, greedy_):
         acc, fmt, lens = [], [], []
         per = max(batch_size // n, 1)
-        for i in tqdm(range(0, len(prompts), per), disable=not progress, desc="eval", leave=False):
+        bar = tqdm(total=len(prompts), disable=not progress, desc="eval" if greedy_ else f"eval, {n} samples", unit="task", leave=False)
+        for i in range(0, len(prompts), per):
             ro = backend.generate(prompts[i:i + per], n, max_new_tokens, temperature, top_p, seed=seed + i, greedy=greedy_)
             ans = [a for a in answers[i:i + per] for _ in range(n)]
             acc += accuracy_reward(ro.prompts, ro.completions, ans)
             fmt += format_reward(ro.prompts, ro.completions)
             lens += ro.completion_mask.sum(-1).tolist()
+            bar.update(len(answers[i:i + per]))
+        bar.close()
         return sum(acc) / len(acc), sum(fmt) / len(fmt), sum(lens) / len(lens), acc
     if greedy:
         out["eval/accuracy"], out["eval/format"], out["eval/completion_length"], correct = run(1, True)

@@ -104,12 +104,12 @@ class TrainResult:
     backend: object = None   # the generation backend (e.g. to measure a vLLM engine's log-prob gap after training)
     best: dict = None        # save_best: {'step', 'eval/accuracy'} of the run's best-checkpoint
 
-def run_eval(backend, eval_prompts, eval_answers, c, tokenizer):
-    "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak resident memory (memory/eval, MB)."
+def run_eval(backend, eval_prompts, eval_answers, c, tokenizer, progress: bool = False):
+    "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak resident memory (memory/eval, MB); `progress`: a bar while it runs."
     phases = Phases()
     with phases("eval"):
         metrics = evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length, n_samples=c.eval_samples,
-                           temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99)
+                           temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99, progress=progress)
     return {**metrics, **{k: v for k, v in phases.metrics().items() if k == "memory/eval"}}
 
 # %% ../nbs/44_trainer.ipynb #c763d1e5
@@ -252,7 +252,8 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
     if c.save_best and checkpoint is not None: state["best"] = best_record(out)    # what best-checkpoint holds, not the old state
     logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
-    evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer)
+    evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer,
+                                     progress=progress and rank == 0)
     run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
     eval_before = eval_before_training(run, start)
     rows = run_steps(run, start, stop_after, progress)

@@ -9,6 +9,8 @@ Arms (same task, seeds, prompts per step, model and evaluation set; only the acc
   gmts          GMTS: the update trains on the top 20% of tokens by |gradient| estimate
   all           MMR (credit) + CPPO + GMTS together; all_ref the same with the paper's MMR rule
   cppo_p875     CPPO pruning harder: P=0.875, the one completion of each group with the largest |advantage| kept
+  cppo_alloc    CPPO with its paper's completion allocation: P=0.75 and B/(1-P) prompts sampled per step, so the kept
+                batch is as large as GRPO's (16 prompts x 2 kept completions instead of 4 x 8)
   cppo_gmts     CPPO + GMTS
   all_p50, all_k50   all three with a milder cut: CPPO at P=0.5 (4 of 8 completions kept), or GMTS keeping 50% of tokens
   dr_grpo, mmr_dr_grpo   (with --with-dr) DR-GRPO (advantage r - mean, loss_type dr_grpo) without and with MMR
@@ -41,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
 ARMS = {"grpo": {}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant": "reference"},
-        "cppo": {"prune_rate": 0.75}, "cppo_p875": {"prune_rate": 0.875}, "gmts": {"token_selection": "gmts"},
+        "cppo": {"prune_rate": 0.75}, "cppo_p875": {"prune_rate": 0.875},
+        "cppo_alloc": {"prune_rate": 0.75, "allocation": True}, "gmts": {"token_selection": "gmts"},
         "all": {"mmr": True, "prune_rate": 0.75, "token_selection": "gmts"},
         "all_ref": {"mmr": True, "mmr_variant": "reference", "prune_rate": 0.75, "token_selection": "gmts"},
         "cppo_gmts": {"prune_rate": 0.75, "token_selection": "gmts"},

@@ -258,9 +258,9 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     eval_before = eval_before_training(run, start)
     rows = run_steps(run, start, stop_after, progress)
     eval_after = eval_after_training(run, stop_after)
-    if (best := state.get("best")) and rank == 0:
-        print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
-    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best if c.save_best else None)
+    best = state.get("best") if c.save_best else None       # (a checkpoint of an earlier save_best run may carry one)
+    if best and rank == 0: print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
+    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best)
 
 # %% ../nbs/44_trainer.ipynb #28d09f65
 @dataclass

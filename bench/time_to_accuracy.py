@@ -13,6 +13,8 @@ Arms (same task, seeds, prompts per step, model and evaluation set; only the acc
                 batch is as large as GRPO's (16 prompts x 2 kept completions instead of 4 x 8)
   cppo_alloc_random   the same with the 2 kept completions of each group drawn at random (the paper's ablation): what
                 the selection by |advantage| adds to seeing more questions
+  grpo_p16      GRPO on the prompts cppo_alloc samples (16 prompts x 8 completions, all 128 in the update): what
+                CPPO's pruning gives up against spending the whole sample
   cppo_gmts     CPPO + GMTS
   all_p50, all_k50   all three with a milder cut: CPPO at P=0.5 (4 of 8 completions kept), or GMTS keeping 50% of tokens
   dr_grpo, mmr_dr_grpo   (with --with-dr) DR-GRPO (advantage r - mean, loss_type dr_grpo) without and with MMR
@@ -44,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
-ARMS = {"grpo": {}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant": "reference"},
+ARMS = {"grpo": {}, "grpo_p16": {"prompts_per_step": 16}, "mmr": {"mmr": True}, "mmr_ref": {"mmr": True, "mmr_variant": "reference"},
         "cppo": {"prune_rate": 0.75}, "cppo_p875": {"prune_rate": 0.875},
         "cppo_alloc": {"prune_rate": 0.75, "allocation": True},
         "cppo_alloc_random": {"prune_rate": 0.75, "allocation": True, "prune_mode": "random"}, "gmts": {"token_selection": "gmts"},

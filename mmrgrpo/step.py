@@ -111,21 +111,24 @@ def machine_memory(device) -> tuple:
 
 def _bytes(tensors) -> int: return sum(t.numel() * t.element_size() for t in tensors)
 
-def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=()) -> dict:
-    "A step's memory in bytes by part (the formula above), from the model's shape and `c`; `copies`: other models the run holds."
+def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt_tokens: int = 0) -> dict:
+    "A step's memory in bytes by part (the formula above), from the model's shape and `c`; `copies`: other models the run holds; `prompt_tokens`: the longest prompt (0: `max_prompt_length`)."
     cfg, params, kind = model.config, list(model.parameters()), next(model.parameters()).device.type
     h, L, V, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.num_attention_heads
     kv, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or h // heads
     a = 2 if choose_dtype(kind, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
-    G, T, S = c.num_generations, c.max_completion_length, c.max_prompt_length + c.max_completion_length
+    G, T, P = c.num_generations, c.max_completion_length, min(prompt_tokens or c.max_prompt_length, c.max_prompt_length)
+    S = P + T
     rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
     group_ids = torch.arange(rows // G).repeat_interleave(G)
     mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, kind, update_positions(c, kind)))
+    mb_groups = mb // G if mb % G == 0 else min(mb, mb // G + 2)     # a size that splits groups: a part at each end
+    positions = mb_groups * P + mb * T if c.share_prompt and not c.gradient_checkpointing else mb * S
     kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
     parts = {"weights": _bytes(params) + sum(_bytes(m.parameters()) for m in copies if m is not None),
              "optimizer": 12 * sum(p.numel() for p in params if p.requires_grad),
              "kv_cache": rows * S * kv_row, "sampling_logits": rows * V * 8,
-             "activations": mb * S * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
+             "activations": positions * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
              "update_logits": mb * min(T, c.logp_chunk_size) * V * 12}
     parts["total"] = parts["weights"] + parts["optimizer"] + max(parts["kv_cache"] + parts["sampling_logits"],
                                                                  parts["activations"] + parts["update_logits"])
@@ -134,9 +137,9 @@ def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=()) -> dic
 
 def _gib(n: int) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
-def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True) -> dict:
+def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True, prompt_tokens: int = 0) -> dict:
     "Refuse a step that cannot fit in this machine's memory (`ConfigError`), warn about one that may not; return the estimate."
-    est = estimate_step_memory(model, c, world, copies)
+    est = estimate_step_memory(model, c, world, copies, prompt_tokens)
     total, available = machine_memory(next(model.parameters()).device)
     if total is None: return est
     shape = f"{est['rows']} completions of {c.max_completion_length} tokens per process"

@@ -9,7 +9,7 @@ __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'comp
            'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'run_steps',
            'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend',
            'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source', 'build_prompt',
-           'step_seed', 'fit_prompts', 'short_questions', 'plot_rewards']
+           'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, random, sys, time
@@ -334,7 +334,8 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     speed = speed_settings(c, model, device)       # 34_fast_update: the allocator and a bf16 base, before the sampler copies it
     tools = build_step_tools(c, model, tokenizer)
     copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
-    check_step_memory(tools.model, c, world, copies, warn=rank == 0)     # before any step: refuse what cannot fit, warn what may not
+    check_step_memory(tools.model, c, world, copies, warn=rank == 0,     # before any step: refuse what cannot fit, warn what may not
+                      prompt_tokens=longest_prompt(tokenizer, c, data))
     if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
     sampler = getattr(tools.backend, "copy_dtype", None)
     sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
@@ -398,6 +399,13 @@ def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train"
     if not keep: raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
     return [tasks[i] for i in keep], n_before - len(keep)
 
+def longest_prompt(tokenizer, c: GRPOConfig, data: RunData, n: int = 32) -> int:
+    "Tokens in the longest training prompt, for the memory estimate: of the `n` longest questions (a stream: its held-out prompts); 0 unknown."
+    if isinstance(data.train_tasks, list) and data.train_tasks:
+        prompts = [build_prompt(tokenizer, c, t["question"], c.task) for t in sorted(data.train_tasks, key=lambda t: len(t["question"]))[-n:]]
+    else: prompts = data.eval_prompts or []
+    return max((len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]), default=0) if prompts else 0
+
 MAX_CHARS_PER_TOKEN = 64     # more than any tokenizer's longest token; a longer question cannot fit, whatever its tokens
 
 def short_questions(c: GRPOConfig, tasks: list, name: str) -> list:
@@ -424,7 +432,9 @@ def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_rewar
     if ev: ax.plot(*zip(*ev), "o--", color="black", label="held-out accuracy (greedy)")
     if best: ax.plot(best["step"], best["eval/accuracy"], "*", color="gold", markeredgecolor="black", markersize=16,
                      label=f"best-checkpoint (step {best['step']})")
-    ax.set_xlabel("step"); ax.set_ylabel("reward / accuracy"); ax.grid(alpha=0.3); ax.legend()
+    ax.set_xlabel("step"); ax.set_ylabel("reward / accuracy"); ax.grid(alpha=0.3)
+    if ax.lines: ax.legend()
+    else: ax.text(0.5, 0.5, "no finite reward or accuracy logged yet", ha="center", va="center", transform=ax.transAxes)
     buf = io.BytesIO()
     fig.tight_layout(); fig.savefig(buf, format="png", dpi=100); plt.close(fig)
     replace_file(png_path, buf.getvalue())           # a temporary file and a rename: never through a link

@@ -354,8 +354,19 @@ def test_a_step_too_large_for_the_machine_is_refused_and_a_large_one_warned(tmp_
     assert "a step needs at least" in str(e.value) and "this machine has 1 MiB" in str(e.value), str(e.value)
     monkeypatch.undo()
     est = R.estimate_step_memory(T.load_policy(cfg(tmp_path / "b"))[0], cfg(tmp_path / "b"))
-    monkeypatch.setattr(R, "machine_memory", lambda device: (10 * est["total"], est["total"] // 2))
+    monkeypatch.setattr(R, "machine_memory", lambda device: (10 * est["total"], 2**20))   # room for what is certain, not for a step
     train(cfg(tmp_path / "b", steps=1), progress=False)
     assert "WARNING: a step may need about" in capsys.readouterr().err
     big = R.estimate_step_memory(T.load_policy(cfg(tmp_path / "c"))[0], cfg(tmp_path / "c", num_generations=64, max_completion_length=64))
     assert big["total"] > est["total"] and math.isclose(big["kv_cache"] / est["kv_cache"], 16 * (512 + 64) / (512 + 8))
+
+
+def test_the_memory_estimate_uses_the_runs_longest_prompt(tmp_path, monkeypatch):
+    import mmrgrpo.step as R
+    seen, real = [], R.estimate_step_memory
+    monkeypatch.setattr(R, "estimate_step_memory", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    train(cfg(tmp_path / "a", steps=1, eval_size=4), progress=False)     # an arithmetic stream: measured on its held-out prompts
+    train(cfg(tmp_path / "b", steps=1), progress=False)                  # nothing to measure: max_prompt_length
+    assert 20 < seen[0] < 512 and seen[1] == 0, seen
+    est = [real(T.load_policy(cfg(tmp_path / "c"))[0], cfg(tmp_path / "c"), 1, (), p) for p in (seen[0], 0)]
+    assert est[0]["activations"] < est[1]["activations"] / 4, est      # short prompts, run once per group

@@ -118,16 +118,14 @@ def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt
     kv, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or h // heads
     a = 2 if choose_dtype(kind, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
     G, T, P = c.num_generations, c.max_completion_length, min(prompt_tokens or c.max_prompt_length, c.max_prompt_length)
-    S = P + T
     rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
     group_ids = torch.arange(rows // G).repeat_interleave(G)
     mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, kind, update_positions(c, kind)))
-    mb_groups = mb // G if mb % G == 0 else min(mb, mb // G + 2)     # a size that splits groups: a part at each end
-    positions = mb_groups * P + mb * T if c.share_prompt and not c.gradient_checkpointing else mb * S
+    positions = (mb // G + (2 if mb % G else 0)) * P + mb * T if c.share_prompt and not c.gradient_checkpointing else mb * (P + T)
     kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
     parts = {"weights": _bytes(params) + sum(_bytes(m.parameters()) for m in copies if m is not None),
              "optimizer": 12 * sum(p.numel() for p in params if p.requires_grad),
-             "kv_cache": rows * S * kv_row, "sampling_logits": rows * V * 8,
+             "kv_cache": rows * (P + T) * kv_row, "sampling_logits": rows * V * 8,
              "activations": positions * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
              "update_logits": mb * min(T, c.logp_chunk_size) * V * 12}
     parts["total"] = parts["weights"] + parts["optimizer"] + max(parts["kv_cache"] + parts["sampling_logits"],

@@ -39,6 +39,8 @@ Running the script again skips finished runs and resumes an interrupted one from
     python bench/time_to_accuracy.py --steps 15          # longer curves, about 60 min
     python bench/time_to_accuracy.py --quick             # the default arms, 2 steps, tiny random model: about 2-3 min
     python bench/time_to_accuracy.py --report-only       # rebuild the summary and plots from the finished runs
+    python bench/time_to_accuracy.py --compare _l3a24/cppo_alloc@24 _l3r3/grpo_p16@12 --seeds 0,1,2,3,4,5,6,7,8,9
+                                # one arm at one step against another at another (two studies' runs, paired by seed and task)
 """
 import argparse, dataclasses, gc, json, os, shutil, statistics, sys, time
 from pathlib import Path
@@ -145,6 +147,25 @@ def correct_matrix(run: dict) -> tuple:
     return steps, np.array([got[s] for s in steps], dtype=float)
 
 
+def bootstrap_paired(A, B, stats: dict, n_boot: int = 2000) -> dict:
+    """For each named stat (a function of a (seeds, evals, tasks) 0/1 array giving one value per seed): the mean over seeds of
+    stat(A) - stat(B), per seed and with a 95% bootstrap interval that resamples seeds and held-out tasks together."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    k, T = A.shape[0], A.shape[2]
+    boot = {name: [] for name in stats}
+    for _ in range(n_boot):
+        si, ti = rng.integers(0, k, k), rng.integers(0, T, T)
+        a, b = A[si][:, :, ti], B[si][:, :, ti]
+        for name, f in stats.items(): boot[name].append((f(a) - f(b)).mean())
+    out = {"n_boot": n_boot}
+    for name, f in stats.items():
+        d = f(A) - f(B)
+        out[f"{name}_diff"], out[f"{name}_diff_per_seed"] = float(d.mean()), [float(x) for x in d]
+        out[f"{name}_diff_ci95"] = [float(np.percentile(boot[name], 2.5)), float(np.percentile(boot[name], 97.5))]
+    return out
+
+
 def paired_vs_grpo(runs: dict, arm: str, seeds: list, n_boot: int = 2000) -> dict | None:
     "Arm minus GRPO, same seed and same held-out tasks: final and peak accuracy per seed, with a bootstrap over seeds and tasks."
     import numpy as np
@@ -155,21 +176,32 @@ def paired_vs_grpo(runs: dict, arm: str, seeds: list, n_boot: int = 2000) -> dic
         if ma and mg and ma[0] == mg[0] and ma[1].shape == mg[1].shape: pairs.append((s, ma[1], mg[1]))
     if not pairs: return None
     A, Gm = np.stack([p[1] for p in pairs]), np.stack([p[2] for p in pairs])        # (seeds, evals, tasks)
-    final = lambda X: X[:, -1].mean(-1)                                              # (seeds,)
-    peak = lambda X: X.mean(-1).max(-1)
-    rng = np.random.default_rng(0)
-    k, T = A.shape[0], A.shape[2]
-    boot = {"final": [], "peak": []}
-    for _ in range(n_boot):
-        si, ti = rng.integers(0, k, k), rng.integers(0, T, T)
-        a, g = A[si][:, :, ti], Gm[si][:, :, ti]
-        boot["final"].append((final(a) - final(g)).mean()); boot["peak"].append((peak(a) - peak(g)).mean())
-    out = {"seeds": [p[0] for p in pairs], "n_boot": n_boot}
-    for name, f in (("final", final), ("peak", peak)):
-        d = f(A) - f(Gm)
-        out[f"{name}_diff"], out[f"{name}_diff_per_seed"] = float(d.mean()), [float(x) for x in d]
-        out[f"{name}_diff_ci95"] = [float(np.percentile(boot[name], 2.5)), float(np.percentile(boot[name], 97.5))]
-    return out
+    stats = {"final": lambda X: X[:, -1].mean(-1), "peak": lambda X: X.mean(-1).max(-1)}
+    return {"seeds": [p[0] for p in pairs], **bootstrap_paired(A, Gm, stats, n_boot)}
+
+
+def compare_at_steps(a: str, b: str, seeds: list, n_boot: int = 2000) -> dict:
+    """Held-out accuracy of one arm at one step minus another's at another, same seeds and tasks, across studies: `a` and `b`
+    are TAG/ARM@STEP (TAG the study's `--tag`, its finished runs read from bench/results/time_to_accuracy<TAG>/)."""
+    import numpy as np
+    def parse(spec):
+        try:
+            where, step = spec.rsplit("@", 1)
+            tag, arm = where.rsplit("/", 1) if "/" in where else ("", where)
+            return tag, arm, int(step)
+        except ValueError: sys.exit(f"--compare {spec!r}: write TAG/ARM@STEP, e.g. _l3r3/grpo_p16@12")
+    sides, per = [parse(a), parse(b)], {}
+    for tag, arm, step in sides:
+        for s in seeds:
+            path = bl.RESULTS / f"time_to_accuracy{tag}" / f"{arm}-seed{s}.json"
+            if not path.exists(): sys.exit(f"--compare: no finished run {path}")
+            m = correct_matrix(json.loads(path.read_text()))
+            if m is None or step not in m[0]: sys.exit(f"--compare: {path} has no per-task evaluation at step {step}")
+            per[(tag, arm, step, s)] = m[1][m[0].index(step)]
+    A, B = (np.stack([per[(*side, s)] for s in seeds])[:, None] for side in sides)    # (seeds, 1, tasks)
+    acc = lambda X: X[:, -1].mean(-1)
+    return {"a": a, "b": b, "seeds": seeds, "a_per_seed": [float(x) for x in acc(A)], "b_per_seed": [float(x) for x in acc(B)],
+            "a_mean": float(acc(A).mean()), "b_mean": float(acc(B).mean()), **bootstrap_paired(A, B, {"accuracy": acc}, n_boot)}
 
 
 def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
@@ -302,7 +334,19 @@ def main(argv=None):
     ap.add_argument("--tag", default=None, help="suffix of the result names (default '' or '_quick'), to keep trial settings apart")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the summary from finished runs")
     ap.add_argument("--no-reference", action="store_true", help="do not add the grpo arm (another process runs it; for splitting a study)")
+    ap.add_argument("--compare", nargs=2, metavar="TAG/ARM@STEP", help="only compare finished runs: the first's held-out accuracy "
+                    "at its step minus the second's at its, paired by seed and task (e.g. _l3a24/cppo_alloc@24 _l3r3/grpo_p16@12)")
     args = ap.parse_args(argv)
+    if args.compare:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        r = compare_at_steps(*args.compare, seeds)
+        print(bl.table([{"seed": s, "a": x, "b": y, "a - b": x - y} for s, x, y in zip(seeds, r["a_per_seed"], r["b_per_seed"])],
+                       ["seed", "a", "b", "a - b"], {"a": ".3f", "b": ".3f", "a - b": "+.3f"}))
+        lo, hi = r["accuracy_diff_ci95"]
+        print(f"a = {r['a']}: {r['a_mean']:.3f}; b = {r['b']}: {r['b_mean']:.3f}; a - b = {r['accuracy_diff']:+.3f} "
+              f"(95% bootstrap over seeds and tasks {lo:+.3f} to {hi:+.3f})")
+        if args.out: print(f"wrote {bl.write_json(Path(args.out), {**r, 'meta': bl.finish_meta(bl.start_meta())})}")
+        return r
     bl.set_threads(args.threads)
     meta = bl.start_meta()
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] + (list(DR_ARMS) if args.with_dr else [])

@@ -41,6 +41,8 @@ Running the script again skips finished runs and resumes an interrupted one from
     python bench/time_to_accuracy.py --report-only       # rebuild the summary and plots from the finished runs
     python bench/time_to_accuracy.py --compare _l3a24/cppo_alloc@24 _l3r3/grpo_p16@12 --seeds 0,1,2,3,4,5,6,7,8,9
                                 # one arm at one step against another at another (two studies' runs, paired by seed and task)
+    python bench/time_to_accuracy.py --matched _l3r3/grpo _l3r3/grpo_p16 --step-times _l3r3u --seeds 0,1,2 --out F.json
+                                # their curves against wall-clock, each step costed at its arm's step time side by side
 """
 import argparse, dataclasses, gc, json, os, shutil, statistics, sys, time
 from pathlib import Path
@@ -258,6 +260,41 @@ def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
     return out
 
 
+def finished_runs(tag: str, arm: str, seeds: list) -> dict:
+    "{seed: run} of an arm's finished runs in study `tag` (bench/results/time_to_accuracy<tag>/), the seeds that have one."
+    d = bl.RESULTS / f"time_to_accuracy{tag}"
+    return {s: json.loads((d / f"{arm}-seed{s}.json").read_text()) for s in seeds if (d / f"{arm}-seed{s}.json").exists()}
+
+
+def matched_curves(specs: list, seeds: list, timing_tag: str, png: Path) -> dict:
+    """Seed-mean held-out accuracy of each TAG/ARM in `specs` against training wall-clock, every step costed at the arm's
+    median step time in study `timing_tag`, whose runs ran side by side: arms trained on different days, under different
+    loads, on one clock. Plotted to `png` (band: min-max over seeds)."""
+    import matplotlib; matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out, (fig, ax) = {"timing_tag": timing_tag, "curves": {}}, plt.subplots(figsize=(7, 4.2))
+    for spec in specs:
+        tag, arm = spec.rsplit("/", 1) if "/" in spec else ("", spec)
+        runs, timing = finished_runs(tag, arm, seeds), finished_runs(timing_tag, arm, range(100))
+        if not runs: sys.exit(f"--matched {spec}: no finished runs for seeds {seeds}")
+        if not timing: sys.exit(f"--matched {spec}: no run of arm {arm} in study {timing_tag} to take its step time from")
+        step_s = statistics.median(r["median_step_s"] for r in timing.values())
+        steps = sorted(set.intersection(*[{p[0] for p in r["curve"]} for r in runs.values()]))
+        acc = [[next(p[1] for p in r["curve"] if p[0] == st) for r in runs.values()] for st in steps]
+        xs = [st * step_s for st in steps]
+        line, = ax.plot(xs, [statistics.mean(a) for a in acc], marker="o", ms=3, label=f"{arm} [study {tag.strip('_') or 'default'}] ({len(runs)} seeds, {step_s:.1f} s a step)")
+        ax.fill_between(xs, [min(a) for a in acc], [max(a) for a in acc], color=line.get_color(), alpha=0.12)
+        out["curves"][spec] = {"seeds": list(runs), "step_s": step_s, "steps": steps, "seconds": xs,
+                               "accuracy": [statistics.mean(a) for a in acc], "acc_min": [min(a) for a in acc],
+                               "acc_max": [max(a) for a in acc]}
+    ax.set_xlabel(f"training wall-clock (s): steps x each arm's step time side by side (study {timing_tag})")
+    ax.set_ylabel("held-out greedy accuracy"); ax.grid(alpha=0.3); ax.legend(fontsize=8)
+    ax.set_title("mean over seeds (band: min-max)", fontsize=9)
+    fig.tight_layout(); fig.savefig(png, dpi=110); plt.close(fig)
+    out["plot"] = str(png)
+    return out
+
+
 def plot(summary: dict, png_dir: Path, tag: str) -> list:
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -336,7 +373,18 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true", help="do not add the grpo arm (another process runs it; for splitting a study)")
     ap.add_argument("--compare", nargs=2, metavar="TAG/ARM@STEP", help="only compare finished runs: the first's held-out accuracy "
                     "at its step minus the second's at its, paired by seed and task (e.g. _l3a24/cppo_alloc@24 _l3r3/grpo_p16@12)")
+    ap.add_argument("--matched", nargs="+", metavar="TAG/ARM", help="only plot finished runs of one study or several against "
+                    "wall-clock, each step costed at its arm's step time in the study --step-times names (runs side by side)")
+    ap.add_argument("--step-times", default=None, metavar="TAG", help="with --matched: the study to take step times from")
     args = ap.parse_args(argv)
+    if args.matched:
+        if not args.step_times or not args.out: sys.exit("--matched needs --step-times TAG and --out PATH.json (the plot goes beside it)")
+        r = matched_curves(args.matched, [int(s) for s in args.seeds.split(",")], args.step_times, Path(args.out).with_suffix(".png"))
+        for spec, c in r["curves"].items():
+            print(f"{spec}: {len(c['seeds'])} seeds, {c['step_s']:.1f} s a step; " +
+                  ", ".join(f"{t:.0f} s {a:.3f}" for t, a in zip(c["seconds"], c["accuracy"])))
+        print(f"wrote {bl.write_json(Path(args.out), {**r, 'meta': bl.finish_meta(bl.start_meta())})}\nwrote {r['plot']}")
+        return r
     if args.compare:
         seeds = [int(s) for s in args.seeds.split(",")]
         r = compare_at_steps(*args.compare, seeds)

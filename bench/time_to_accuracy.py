@@ -186,24 +186,33 @@ def compare_at_steps(a: str, b: str, seeds: list, n_boot: int = 2000) -> dict:
     """Held-out accuracy of one arm at one step minus another's at another, same seeds and tasks, across studies: `a` and `b`
     are TAG/ARM@STEP (TAG the study's `--tag`, its finished runs read from bench/results/time_to_accuracy<TAG>/)."""
     import numpy as np
-    def parse(spec):
-        try:
-            where, step = spec.rsplit("@", 1)
-            tag, arm = where.rsplit("/", 1) if "/" in where else ("", where)
-            return tag, arm, int(step)
-        except ValueError: sys.exit(f"--compare {spec!r}: write TAG/ARM@STEP, e.g. _l3r3/grpo_p16@12")
-    sides, per = [parse(a), parse(b)], {}
-    for tag, arm, step in sides:
+    sides = []
+    for spec in (a, b):
+        where, _, step = spec.rpartition("@")
+        if not where or not step.isdigit(): sys.exit(f"--compare {spec!r}: write TAG/ARM@STEP, e.g. _l3r3/grpo_p16@12")
+        tag, arm = study_arm(where)
+        runs, rows = finished_runs(tag, arm, seeds), []
         for s in seeds:
-            path = bl.RESULTS / f"time_to_accuracy{tag}" / f"{arm}-seed{s}.json"
-            if not path.exists(): sys.exit(f"--compare: no finished run {path}")
-            m = correct_matrix(json.loads(path.read_text()))
-            if m is None or step not in m[0]: sys.exit(f"--compare: {path} has no per-task evaluation at step {step}")
-            per[(tag, arm, step, s)] = m[1][m[0].index(step)]
-    A, B = (np.stack([per[(*side, s)] for s in seeds])[:, None] for side in sides)    # (seeds, 1, tasks)
+            m = correct_matrix(runs[s]) if s in runs else None
+            if m is None or int(step) not in m[0]: sys.exit(f"--compare {spec}: seed {s} has no finished run with per-task evaluation at step {step}")
+            rows.append(m[1][m[0].index(int(step))])
+        sides.append(np.stack(rows)[:, None])                                      # (seeds, 1, tasks)
+    A, B = sides
     acc = lambda X: X[:, -1].mean(-1)
     return {"a": a, "b": b, "seeds": seeds, "a_per_seed": [float(x) for x in acc(A)], "b_per_seed": [float(x) for x in acc(B)],
             "a_mean": float(acc(A).mean()), "b_mean": float(acc(B).mean()), **bootstrap_paired(A, B, {"accuracy": acc}, n_boot)}
+
+
+def study_arm(spec: str) -> tuple:
+    "(tag, arm) of 'TAG/ARM' (a bare ARM: the default study, tag '')."
+    return tuple(spec.rsplit("/", 1)) if "/" in spec else ("", spec)
+
+
+def finished_runs(tag: str, arm: str, seeds=None) -> dict:
+    "{seed: run} of an arm's finished runs in study `tag` (bench/results/time_to_accuracy<tag>/): of `seeds` that have one, or all."
+    d = bl.RESULTS / f"time_to_accuracy{tag}"
+    paths = {int(f.stem.rsplit("-seed", 1)[1]): f for f in d.glob(f"{arm}-seed*.json")}
+    return {s: json.loads(paths[s].read_text()) for s in sorted(paths) if seeds is None or s in seeds}
 
 
 def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
@@ -260,12 +269,6 @@ def summarise(runs: dict, arms: list, seeds: list, eval_size: int) -> dict:
     return out
 
 
-def finished_runs(tag: str, arm: str, seeds: list) -> dict:
-    "{seed: run} of an arm's finished runs in study `tag` (bench/results/time_to_accuracy<tag>/), the seeds that have one."
-    d = bl.RESULTS / f"time_to_accuracy{tag}"
-    return {s: json.loads((d / f"{arm}-seed{s}.json").read_text()) for s in seeds if (d / f"{arm}-seed{s}.json").exists()}
-
-
 def matched_curves(specs: list, seeds: list, timing_tag: str, png: Path) -> dict:
     """Seed-mean held-out accuracy of each TAG/ARM in `specs` against training wall-clock, every step costed at the arm's
     median step time in study `timing_tag`, whose runs ran side by side: arms trained on different days, under different
@@ -274,8 +277,8 @@ def matched_curves(specs: list, seeds: list, timing_tag: str, png: Path) -> dict
     import matplotlib.pyplot as plt
     out, (fig, ax) = {"timing_tag": timing_tag, "curves": {}}, plt.subplots(figsize=(7, 4.2))
     for spec in specs:
-        tag, arm = spec.rsplit("/", 1) if "/" in spec else ("", spec)
-        runs, timing = finished_runs(tag, arm, seeds), finished_runs(timing_tag, arm, range(100))
+        tag, arm = study_arm(spec)
+        runs, timing = finished_runs(tag, arm, seeds), finished_runs(timing_tag, arm)
         if not runs: sys.exit(f"--matched {spec}: no finished runs for seeds {seeds}")
         if not timing: sys.exit(f"--matched {spec}: no run of arm {arm} in study {timing_tag} to take its step time from")
         step_s = statistics.median(r["median_step_s"] for r in timing.values())

@@ -140,6 +140,29 @@ def table(rows: list, headers: list, fmt: dict = None) -> str:
     return "\n".join([line(headers), line(["-" * x for x in w]), *map(line, body)])
 
 
+OP_KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::baddbmm"),
+            "attention backward": ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::_scaled_dot_product_efficient_attention_backward",
+                                   "aten::_scaled_dot_product_flash_attention_backward"),
+            "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
+            "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
+                                 "aten::_index_put_impl_", "aten::index_select"),
+            "optimizer": ("Optimizer.step", "aten::_foreach_", "aten::_fused_adamw")}
+OTHER_OPS = "elementwise and other ops"
+
+
+def op_kinds(prof, wall: float, per: float = 1.0, kinds: tuple = ("matmul", "attention", "copies and casts")) -> dict:
+    """Seconds / `per` by kind of op from a finished `torch.profiler.profile`: each op's own CPU time sorted into `kinds` (the
+    first whose names an op's name starts with; `OP_KINDS`), the rest as elementwise and other ops, and "outside ops": `wall`
+    (the profiled code's wall-clock) minus the ops' time (Python, bookkeeping, the dispatcher between ops)."""
+    out = dict.fromkeys([*kinds, OTHER_OPS], 0.0)
+    for e in prof.key_averages():
+        kind = next((k for k in kinds if e.key.startswith(OP_KINDS[k])), OTHER_OPS)
+        out[kind] += e.self_cpu_time_total / 1e6 / per
+    out["outside ops (Python, bookkeeping)"] = max(wall / per - sum(out.values()), 0.0)
+    out["wall (profiled)"] = wall / per
+    return out
+
+
 def interleaved(arms: list, repeats: int):
     "Yield (repeat, arm) round-robin, reversing the arm order on odd repeats so no arm always runs first or last."
     for r in range(repeats):

@@ -42,6 +42,11 @@ Achieved FLOP/s = FLOPs / wall-clock of the update phase (ref + update); its fra
 the matmuls ran in (fp32, or bf16 under autocast) is the efficiency (`frac_of_own_peak` by the padded count,
 `useful_frac_of_own_peak` by the count of the tokens that count).
 
+Profile (`--profile [ARM ...]`): after the timed rounds, one more update of each named arm (default: `fp32` and `bf16 base,
+auto passes, packed`, what "auto" gives) under torch's profiler, its seconds split by kind of op: matmuls, attention
+forward and backward, copies and casts, the optimizer's own ops, everything else (elementwise: norms, rotary embeddings,
+activations, the head's log-softmax), and outside ops (the wall-clock minus the ops' CPU time). Saved as `update_profile_s`.
+
     python bench/compute_efficiency.py             # full: about 9 min on 2 cores
     python bench/compute_efficiency.py --quick     # tiny random model and small matmuls, seconds
 """
@@ -158,6 +163,19 @@ def baseline_worker(args):
     bl.serve_baseline(one)
 
 
+def profile_update(net, cfg, params: dict, init: dict, ro, adv, c) -> dict:
+    "Seconds by kind of op (`benchlib.op_kinds`) of one update of `net` with `cfg` from the initial weights, under torch's profiler."
+    import torch
+    import mmrgrpo.trainer as tr
+    from torch.profiler import profile, ProfilerActivity
+    with torch.no_grad():
+        for n, p in params.items(): p.copy_(init[n])
+    opt = torch.optim.AdamW(list(params.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter(); tr.update(net, opt, ro, adv, cfg, None, tr.Phases(), {}); wall = time.perf_counter() - t0
+    return bl.op_kinds(prof, wall, kinds=("matmul", "attention backward", "attention", "copies and casts", "optimizer"))
+
+
 def main(argv=None):
     ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--repeats", type=int, default=None, help="timings per matmul shape and per update arm (default 3; --quick 2)")
@@ -165,6 +183,9 @@ def main(argv=None):
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--baseline-ref", default=None, help="also time the update (fp32, bf16 autocast) as the package was at this commit")
     ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", nargs="*", default=None, metavar="ARM",
+                    help="after the timed rounds, one more update of each ARM (default: fp32 and what auto gives) under torch's "
+                         "profiler, its time split by kind of op")
     args = ap.parse_args(argv)
     if args.baseline_worker: return baseline_worker(args)
     bl.set_threads(args.threads)
@@ -257,6 +278,10 @@ def main(argv=None):
         if rep >= args.warmup:
             raw[name].append({"total": total, **{f"time/{k}": v for k, v in times.items()}, "loss": loss})
     if worker is not None: worker.close(); Path(shared).unlink()
+    profiled = {}
+    for name in ([] if args.profile is None else args.profile or ["fp32", "bf16 base, auto passes, packed"]):
+        if arms.get(name) is None: raise SystemExit(f"--profile: no arm {name!r} of this process; arms: {[a for a in arms if arms[a]]}")
+        profiled[name] = profile_update(*arms[name], p16 if arms[name][0] is base16 else params, init, ro, adv, c)
     upd_rows = []
     for name, xs in raw.items():
         t = bl.median([x["total"] for x in xs])
@@ -281,12 +306,16 @@ def main(argv=None):
                     "frac_of_own_peak": ".1%", "useful_frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%",
                     "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
     print("update time / fp32's: " + ", ".join(f"{r['arm']} {r['time_ratio_vs_fp32']:.2f}" for r in upd_rows))
+    if profiled:
+        print("\none update per arm under torch's profiler, seconds by kind of op (own CPU time; outside ops: wall minus the ops)")
+        print(bl.table([{"arm": a, **v} for a, v in profiled.items()], ["arm", *next(iter(profiled.values()))],
+                       {k: ".2f" for k in next(iter(profiled.values()))}))
     out = {"name": "compute_efficiency", "quick": args.quick, "baseline_ref": worker.ref if worker else None,
            "keep_freed_memory": kept, "config": dataclasses.asdict(c), "repeats": repeats,
            "matmul": {"shapes": {k: list(v) for k, v in shapes.items()}, "gflops": mm, "peak_gflops": peak},
            "model": pc, "rollout": {"rows": N, "prompt_width": P, "completion_width": T, "prompt_sharing": share,
                                     "valid_tokens": int(ro.completion_mask.sum())},
-           "update_flops": flops, "useful_update_flops": useful, "update": upd_rows, "raw": raw,
+           "update_flops": flops, "useful_update_flops": useful, "update": upd_rows, "raw": raw, "update_profile_s": profiled,
            "flop_formula": __doc__[__doc__.index("FLOP count"):__doc__.index("    python bench")].strip(),
            "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("compute_efficiency", args.quick), out)

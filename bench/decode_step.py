@@ -34,10 +34,6 @@ import benchlib as bl
 
 ARMS = ["policy", "copy-fp32", "copy-bf16", "fused-fp32", "fused-bf16", "fused-bf16-plain", "fused-bf16-attn16"]
 ROWS = [1, 8, 16, 32, 64]
-BUCKETS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::baddbmm"),
-           "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
-           "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
-                                "aten::_index_put_impl_", "aten::index_select")}
 
 
 def decoder_for(arm, model, dtype):
@@ -102,12 +98,8 @@ def parts(prefill, step, ids, mask, steps: int) -> dict:
         for _ in range(steps):
             logits = step(tok, pos, state); tok, pos = logits.float().max(-1).indices[:, None], pos + 1
         wall = time.perf_counter() - t0
-    out = dict.fromkeys([*BUCKETS, "elementwise and other ops"], 0.0)
-    for e in prof.key_averages():
-        kind = next((k for k, names in BUCKETS.items() if e.key.startswith(names)), "elementwise and other ops")
-        out[kind] += e.self_cpu_time_total / 1e3 / steps
-    out["outside ops (Python, bookkeeping)"] = max(wall * 1e3 / steps - sum(out.values()), 0.0)
-    out["step (wall, profiled)"] = wall * 1e3 / steps
+    out = {k: v * 1e3 for k, v in bl.op_kinds(prof, wall, steps).items()}
+    out["step (wall, profiled)"] = out.pop("wall (profiled)")
     return out
 
 

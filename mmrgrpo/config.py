@@ -85,7 +85,7 @@ class GRPOConfig:
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: autograd through a checkpointed chunk")
     pack_completions: bool = _f(True, "in the update, lay each group's completions end to end without their padding (needs share_prompt and sdpa attention); false: padded rows")
-    keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse within a step (glibc), not return and fault it in again; handed back after each step; 'auto': on CPU runs")
+    keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; handed back between steps once the heap has grown by 10%; 'auto': on CPU runs")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
     reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or 'package.module:function' (imported, so its code runs)")

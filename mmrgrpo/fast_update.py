@@ -6,10 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'SUFFIX', 'COMPLETION', 'PAD',
-           'keep_freed_memory', 'trim_freed_memory', 'cast_frozen', 'matmul_dtype', 'head_logits', 'HeadStats',
-           'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base', 'micro_batch_positions',
-           'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask', 'packed_completion_stats',
-           'packs_completions']
+           'keep_freed_memory', 'trim_freed_memory', 'KeptHeap', 'cast_frozen', 'matmul_dtype', 'head_logits',
+           'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base',
+           'micro_batch_positions', 'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask',
+           'packed_completion_stats', 'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
 import ctypes, weakref
@@ -39,6 +39,21 @@ def trim_freed_memory() -> bool:
     try: return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError): return False
 
+
+# %% ../nbs/34_fast_update.ipynb #7e35b0d9
+class KeptHeap:
+    "Between steps: hand freed memory back (`trim_freed_memory`) only once the resident set a step ends with has grown by more than `growth` over its level: the most the first `settle` steps after the last hand-back ended with."
+    def __init__(self, growth: float = 0.1, settle: int = 3): self.growth, self.settle, self.level, self.seen = growth, settle, 0.0, 0
+
+    def after_step(self, rss_mb) -> bool:
+        "Called at the end of each step with the process's resident memory now (MB; None where unknown: then always trim); True where it handed memory back."
+        if rss_mb is not None and self.seen < self.settle:       # the heap still fills: it sets the level
+            self.level, self.seen = max(self.level, rss_mb), self.seen + 1
+            return False
+        if rss_mb is not None and rss_mb <= self.level * (1 + self.growth): return False
+        self.level, self.seen = 0.0, 0
+        trim_freed_memory()
+        return True
 
 # %% ../nbs/34_fast_update.ipynb #fcffc867
 _CASTS = WeakTensorKeyDictionary()      # a frozen weight -> (its version, its copy in another dtype)

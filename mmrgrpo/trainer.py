@@ -13,7 +13,7 @@ __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'comp
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, random, sys, time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
 import torch
@@ -31,8 +31,8 @@ from .kvcache import reserve_cache
 from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
-from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb
-from .fast_update import keep_freed_memory, trim_freed_memory, wants_bf16_base, bf16_frozen_base
+from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
+from .fast_update import keep_freed_memory, KeptHeap, wants_bf16_base, bf16_frozen_base
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
                                  best_record)
@@ -52,6 +52,7 @@ class StepTools:
     ref_model: object = None         # a frozen copy for full fine-tuning with beta > 0 (LoRA turns its adapter off instead)
     embedder: object = None          # the sentence-transformers model MMR/DRA reweighting embeds with
     should_stop: object = None       # a function: True once a stop signal has waited too long (the step is then abandoned)
+    heap: KeptHeap = field(default_factory=KeptHeap)   # hands kept memory back between steps once it has grown (34_fast_update)
 
 @dataclass
 class StepResult:
@@ -75,10 +76,11 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
                             should_stop=tools.should_stop)
     tools.scheduler.step()
     tools.backend.sync_weights(tools.model)
-    trim_freed_memory()         # memory kept for reuse within the step, handed back between steps (34_fast_update)
+    handed_back = tools.heap.after_step(rss_sampler().rss_mb())   # kept memory reused by the next step, unless it has grown
     for m in (reweight_metrics, rollout_metrics(rollout, rewards), prune_metrics, update_metrics, phases.metrics()):
         metrics.update(m)
     metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0],
+                    "allocator/handed_back": float(handed_back),
                     # the whole run's peak so far (loading and evaluation too); the kernel's count can lag the sampler's by a page
                     "memory/process_peak": max(process_peak_rss_mb(), metrics.get("memory/peak", 0.0))})
     return StepResult(metrics, rollout, rewards, advantages)

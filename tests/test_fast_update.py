@@ -200,6 +200,7 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
         res = train(c, progress=False)
     row = res.metrics[0]
     assert row["precision/base"] == "bfloat16" and isinstance(row["allocator/keep_freed"], bool)
+    assert row["allocator/handed_back"] == 0.0         # the first step only sets the kept heap's level (`KeptHeap`)
     assert row["memory/process_peak"] >= row["memory/peak"] > 0
     assert res.eval_before["memory/eval"] > 0
     assert "fused decoder" in row["precision/sampler"]

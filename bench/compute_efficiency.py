@@ -8,15 +8,19 @@ dtype is its best shape. Each number is a median of `--repeats` timings of a loo
 Part 2 samples one rollout with the fixed config (SmolLM2-135M-Instruct + LoRA r=16 on all seven projections, G=8 x 8 prompts,
 48 new tokens, beta=0.04, no token selection, prompt sharing on) and times the trainer's `update` on it, each arm from the same
 initial LoRA weights with a fresh AdamW, interleaved. The process keeps freed memory for reuse (`keep_freed_memory`, as the
-trainer does on a CPU). Arms, the first five in micro-batches of 16 completions (the bench config's):
+trainer does on a CPU). Arms, the first six in micro-batches of 16 completions (the bench config's):
 - `fp32, padded`: no autocast, the completions' padded rows (`pack_completions=false`);
 - `fp32`: no autocast, each group's completions packed without padding (`pack_completions`, 34_fast_update);
+- `fp32, matmul attention`: and the packed passes' masked attention in plain matmuls (`update_attention=matmul`; "auto" leaves
+  fp32 on torch's fused kernel, 34a_matmul_attention);
 - `bf16 autocast, plain head`: bf16 autocast, padded rows, the head's log-probs by autograd through a checkpointed chunk
   (17a_logprobs);
 - `bf16 autocast`: the head in closed form (`fused_head`, 34_fast_update);
 - `bf16 base`: and the frozen base stored in bf16 (`bf16_base`);
 - `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`);
-- `bf16 base, auto passes, packed`: and the completions packed (what "auto" gives on a CPU with bf16 units);
+- `bf16 base, auto passes, packed`: and the completions packed (what "auto" gives on a CPU with bf16 units); the bf16 arms'
+  masked attention runs in plain matmuls where `update_attention=auto` takes it (34a_matmul_attention);
+- `bf16 base, auto passes, packed, sdpa attention`: the arm above with torch's fused attention kernel (`update_attention=sdpa`);
 - `fp32@REF`, `bf16 autocast@REF` (with `--baseline-ref REF`): the update as the package was at commit REF, on the same rollout
   and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
@@ -245,11 +249,13 @@ def main(argv=None):
     pad = dict(pack_completions=False)
     arms = {"fp32, padded": (model, dataclasses.replace(c, autocast_bf16=False, **mb, **pad)),
             "fp32": (model, dataclasses.replace(c, autocast_bf16=False, **mb)),
+            "fp32, matmul attention": (model, dataclasses.replace(c, autocast_bf16=False, update_attention="matmul", **mb)),
             "bf16 autocast, plain head": (model, dataclasses.replace(c, autocast_bf16=True, fused_head=False, **mb, **pad)),
             "bf16 autocast": (model, dataclasses.replace(c, autocast_bf16=True, **mb, **pad)),
             "bf16 base": (base16, dataclasses.replace(c, autocast_bf16=True, **mb, **pad)),
             "bf16 base, auto passes": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, **pad)),
-            "bf16 base, auto passes, packed": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0))}
+            "bf16 base, auto passes, packed": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0)),
+            "bf16 base, auto passes, packed, sdpa attention": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, update_attention="sdpa"))}
     worker = None
     if args.baseline_ref:
         with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f: shared = f.name

@@ -29,6 +29,7 @@ from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
 from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions, counted_lengths
+from .matmul_attention import matmul_attention, wants_matmul_attention
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
@@ -176,8 +177,6 @@ def grad_scaler(optimizer, device_type: str, dtype):
 # %% ../nbs/41_step.ipynb #b4a9f71c
 def _rows(rollout: Rollout, rows): return rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows], rollout.completion_mask[rows]
 
-def _autocast(model, c: GRPOConfig): return autocast(c.autocast_bf16, model.device.type)
-
 def shares_prompts(c: GRPOConfig) -> bool:
     "Whether this pass runs each group's prompt once: prompt sharing on, and no checkpointed layers (they keep no cache) in a pass with gradients."
     return c.share_prompt and not (c.gradient_checkpointing and torch.is_grad_enabled())
@@ -189,7 +188,7 @@ def packing(c: GRPOConfig, model) -> bool:
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
     groups = rollout.group_ids[rows] if shares_prompts(c) else 1      # 1: each row runs its own prompt
-    with _autocast(model, c):
+    with autocast(c.autocast_bf16, model.device.type), matmul_attention(wants_matmul_attention(c, model.device)):
         return (packed_completion_stats if packing(c, model) else completion_stats)(
             model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq,
             group_size=groups, chunk_fn=fused_chunk_stats if c.fused_head else None)

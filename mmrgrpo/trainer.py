@@ -33,6 +33,7 @@ from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
 from .fast_update import keep_freed_memory, KeptHeap, wants_bf16_base, bf16_frozen_base
+from .matmul_attention import wants_matmul_attention
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
                                  best_record)
@@ -351,7 +352,8 @@ def speed_settings(c: GRPOConfig, model, device) -> dict:
     if c.keep_freed_memory is True and not kept: print("keep_freed_memory=true: no glibc mallopt here; memory is handled as usual", file=sys.stderr)
     if wants_bf16_base(c, device): bf16_frozen_base(model)
     base = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2} - {torch.float32}
-    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), "allocator/keep_freed": bool(kept)}
+    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), "allocator/keep_freed": bool(kept),
+            "update/attention": "matmul" if wants_matmul_attention(c, device) else "sdpa"}
 
 # %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:

@@ -204,6 +204,7 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     assert row["memory/process_peak"] >= row["memory/peak"] > 0
     assert res.eval_before["memory/eval"] > 0
     assert "fused decoder" in row["precision/sampler"]
+    assert row["update/attention"] == "matmul"         # bf16 autocast on a CPU (`34a_matmul_attention`)
 
 
 @pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}])
@@ -232,3 +233,39 @@ def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, pack
     metrics = update(policy, torch.optim.SGD(params, lr=0.0), rollout(tokenizer), torch.tensor([1.0, -1.0] * 4), c)
     assert bool(calls) == packs
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}, {"pack_completions": False}])
+def test_matmul_attention_gives_the_fused_kernels_update(tokenizer, monkeypatch, methods):
+    "`update_attention=matmul` (`34a_matmul_attention`) takes the packed passes' attention calls; loss and gradients are sdpa's to fp32 rounding."
+    import mmrgrpo.matmul_attention as ma
+    calls = []
+    real = ma.MatmulAttention.apply
+    monkeypatch.setattr(ma.MatmulAttention, "apply", lambda *a: calls.append(a[0].shape) or real(*a))
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7, **methods)
+    loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, update_attention="sdpa"))
+    assert not calls
+    loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, update_attention="matmul"))
+    assert len(calls) >= 2 * 2                       # 2 layers, the reference and the policy pass
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    assert_grads_close(g_b, g_a)
+    assert g_a.abs().sum() > 0
+
+
+def test_matmul_attention_in_bf16_is_within_bf16_rounding(tokenizer):
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=True)
+    loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, update_attention="sdpa"))
+    loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, update_attention="matmul"))
+    loss_32, g_32 = one_update(tokenizer, dataclasses.replace(c, update_attention="sdpa", autocast_bf16=False))
+    assert not torch.equal(g_a, g_b)                 # another computation in bf16: not bit for bit
+    assert ((g_b - g_32).norm() / g_32.norm()) < 0.05 and ((g_a - g_32).norm() / g_32.norm()) < 0.05
+
+
+def test_matmul_attention_is_not_for_checkpointed_layers():
+    "A checkpointed layer recomputes its forward in the backward pass, after the update's attention has been handed back."
+    from mmrgrpo.matmul_attention import wants_matmul_attention
+    with pytest.raises(ConfigError, match="update_attention=matmul with gradient_checkpointing"):
+        load_config(model="tiny-random", update_attention="matmul", gradient_checkpointing=True)
+    assert not wants_matmul_attention(load_config(model="tiny-random", autocast_bf16=True, gradient_checkpointing=True), "cpu")
+    with pytest.raises(ConfigError, match="update_attention"):
+        load_config(model="tiny-random", update_attention="fast")

@@ -84,7 +84,7 @@ class GRPOConfig:
     share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
     fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: autograd through a checkpointed chunk")
-    update_attention: Literal["auto", "sdpa", "matmul"] = _f("auto", "the masked attention of the update's packed passes: 'matmul' (two matmuls and a softmax, the probabilities kept for the backward while under 16 MiB a layer), 'sdpa' (torch's fused kernel); 'auto': matmul on a CPU under bf16 autocast")
+    update_attention: Literal["auto", "sdpa", "matmul"] = _f("auto", "the masked attention of the update's passes (reference and policy): 'matmul' (two matmuls and a softmax, the probabilities kept for the backward while under 16 MiB a layer), 'sdpa' (torch's fused kernel); 'auto': matmul on a CPU under bf16 autocast")
     pack_completions: bool = _f(True, "in the update, lay each group's completions end to end without their padding (needs share_prompt and sdpa attention); false: padded rows")
     keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; handed back between steps once the heap has grown by 10%; 'auto': on CPU runs")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")

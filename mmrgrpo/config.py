@@ -59,7 +59,7 @@ class GRPOConfig:
     # --- sampling
     num_generations: int = _f(8, "G: completions sampled per prompt (a group)")
     prompts_per_step: int = _f(8, "B: prompts per step (all ranks together), so B*G completions per step")
-    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic (GPU: all at once; CPU: groups of ~1024 positions)")
+    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic (GPU: all at once; CPU: groups of ~1024 positions in fp32, ~1536 in bf16)")
     max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are a data error")
     max_completion_length: int = _f(32, "new tokens sampled per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")

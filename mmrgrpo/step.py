@@ -289,7 +289,7 @@ def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, t
     old = logp.detach() if logp_old is None else logp_old[rows]
     ref = None if logp_ref is None else logp_ref[rows]
     adv, row_mask = u.advantages[rows], mask.bool()
-    carrying = row_mask                                     # the tokens that carry advantage
+    carrying = row_mask                                     # the tokens trained on (token selection: the selected)
     if u.selecting:
         with u.phases("select"):
             keep = token_keep[rows] if u.score_first else choose_tokens(c, (logp, entropy, log_sumsq), old, ref, adv, mask,
@@ -332,7 +332,7 @@ def update_metrics(u: UpdateBatch, loss: float, grad_norm, skipped: int) -> dict
     kl, entropy, clipped, carrying, kept_tokens, is_ratio, is_capped = all_reduce_sum(torch.tensor(list(u.sums.values()))).tolist()
     n_tok = max(u.n_tok, 1)
     metrics = {"loss": loss, "kl": kl / n_tok, "entropy": entropy / n_tok,
-               "clip_ratio": clipped / max(carrying, 1),          # over the tokens that carry advantage: no other can be clipped
+               "clip_ratio": clipped / max(carrying, 1),          # over the tokens trained on: an unselected one cannot be clipped
                "grad_norm": float(grad_norm), "nonfinite_updates": skipped}
     if u.selecting: metrics["tokens/kept_fraction"] = kept_tokens / n_tok
     if u.cap: metrics.update({"is/ratio_mean": is_ratio / n_tok, "is/clipped_frac": is_capped / n_tok})

@@ -65,6 +65,10 @@ def write_manifest(d: Path):
 def checkpoint_problem(d) -> str:
     "What is wrong with checkpoint folder `d` (a file missing, cut short or altered), or None when every file matches its manifest."
     d = Path(d)
+    if not d.exists(): return "there is no such folder"
+    if not d.is_dir(): return "it is a file, not a checkpoint folder"
+    if run := checkpoints(d): return (f"it is a run's folder, not a checkpoint: name one of its checkpoints ({run[-1]}), or "
+                                      f"continue that run with output_dir={str(d)!r} resume_from=latest")
     try: want = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in json.loads((d / MANIFEST).read_text()).items()}
     except FileNotFoundError: return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
     except (OSError, ValueError, TypeError, KeyError, AttributeError): return f"its {MANIFEST} is unreadable"
@@ -203,6 +207,8 @@ def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
     "The checkpoint `c.resume_from` names ('latest': the newest in `out` that verifies), if its files verify and `c` changes only `RESUMABLE` fields."
     if c.resume_from == "latest":
         ck = latest_checkpoint(out, verify=True)
+        if ck is None and not run_in(out): raise ConfigError(f"resume_from='latest' but {out} holds no run to continue: "
+                                                             "leave resume_from out to start one there")
         if ck is None: raise ConfigError(f"resume_from='latest' but {out} holds no complete checkpoint that verifies: "
                                          "start a new run there with overwrite=true")
     elif why := checkpoint_problem(ck := Path(c.resume_from)): raise CheckpointError(f"resume_from={c.resume_from!r} cannot be used: {why}")
@@ -320,6 +326,7 @@ def check_output_dir(out: Path):
 
 def check_resume_into(out: Path, ck: Path):
     "Resuming another run's checkpoint `ck` into `out` is allowed only where `out` holds no run, or `ck` is one of its own."
+    if not (ck / MANIFEST).is_file(): raise CheckpointError(f"resume_from={str(ck)!r} cannot be used: {checkpoint_problem(ck)}")
     owner = ck.parent
     if owner.resolve() != Path(out).resolve() and (old := run_in(out)):
         raise ConfigError(f"resume_from={str(ck)!r} is a checkpoint of the run in {owner}, and output_dir={str(out)!r} holds another "

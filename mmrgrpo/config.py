@@ -9,7 +9,7 @@ __all__ = ['MAX_LIST', 'LIMITS', 'ConfigError', 'GRPOConfig', 'prompts_to_sample
            'parse_overrides', 'config_from_dict', 'load_config', 'save_config']
 
 # %% ../nbs/12_config.ipynb #6f62149c
-import dataclasses, math, os, types, typing, warnings
+import dataclasses, importlib.util, math, os, types, typing, warnings
 from dataclasses import dataclass, field, fields, asdict
 from fractions import Fraction
 from pathlib import Path
@@ -239,6 +239,14 @@ def _check_methods(c: GRPOConfig, need):
     need(c.steps >= 0, f"steps={c.steps}: must be >= 0")
     need(c.beta_ >= 0, f"beta={c.beta}: must be >= 0")
     need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
+    need(c.eps_low < 1, f"eps_low={c.eps_low}: must be below 1 (the ratio is clipped below at 1 - eps_low)")
+    for idle, why in ((c.allocation and not c.prune_rate, "allocation=true does nothing with prune_rate=0: it samples extra "
+                       "prompts only to refill what pruning drops"),
+                      (c.token_selection_inverse and c.token_selection == "none", "token_selection_inverse=true does nothing "
+                       "with token_selection=none"),
+                      (c.steps and c.warmup_steps > c.steps, f"warmup_steps={c.warmup_steps} with steps={c.steps}: the "
+                       "learning rate never reaches learning_rate")):
+        if idle: warnings.warn(why, stacklevel=4)
 
 def _check_engines(c: GRPOConfig, world_size: int, need):
     "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume, the best checkpoint."
@@ -257,6 +265,9 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
          "sampling copy needs the whole weights and each process holds a shard; use sampler_dtype=auto or policy")
     bad = set(c.log_with) - {"jsonl", "tensorboard", "trackio", "wandb"}
     need(not bad, f"log_with has unknown sinks {sorted(bad)}: use jsonl, tensorboard, trackio, wandb")
+    absent = [s for s in c.log_with if s != "jsonl" and importlib.util.find_spec(s) is None]
+    need(not absent, lambda: f"log_with={c.log_with}: {', '.join(absent)} is not installed: `pip install {' '.join(absent)}`, "
+         "or leave it out (metrics.jsonl is always written)")
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")
     need(not (c.bf16_base is True and (not c.lora or c.load_in_4bit or c.autocast_bf16 is False)), f"bf16_base=true with "
          f"lora={c.lora}, load_in_4bit={c.load_in_4bit}, autocast_bf16={c.autocast_bf16}: a bf16 base needs a LoRA adapter over "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .rewards import _clip, _not_a_gold
+from .safety import slip_of
 from .verifier_pool import check_golds
 
 _log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def _to_record(row: dict, question_field: str = "question", answer_field: str = 
     for f in (question_field, answer_field):
         if row.get(f) is None:
             which = "question_field" if f == question_field else "answer_field"
-            raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); pass {which}= to name the right one")
+            raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); name the fields 'question' and "
+                          f"'answer' in the file (the trainer reads those), or pass {which}= to load_tasks")
     question, raw = str(row[question_field]), row[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
     if why := _not_a_gold(raw):              # JSON true would become the text 'True', which parses as a product of symbols
@@ -214,11 +216,8 @@ TRAIN_SEED, EVAL_SEED = 0, 1_000_003   # arithmetic: the train split and every o
 
 def local_copy(name: str, split: str, data_dir=None) -> Optional[Path]:
     "The local file of a known dataset's split in `data_dir` or `$MMRGRPO_DATA`, or None."
-    folder = KNOWN_DATASETS[name]["folder"]
-    for d in (data_dir, os.environ.get("MMRGRPO_DATA")):
-        for ext in READERS:
-            if d and (p := Path(d).expanduser() / folder / f"{split}{ext}").is_file(): return p
-    return None
+    dirs = [Path(d).expanduser() / KNOWN_DATASETS[name]["folder"] for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
+    return next((p for d in dirs for ext in READERS if (p := d / f"{split}{ext}").is_file()), None)
 
 def _hub_rows(name: str, config: Optional[str], split: str, looked: str = ""):
     "Yield (row number, dict) for a hub dataset split, with an error that says how to work offline."
@@ -268,23 +267,27 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
         if split not in spec["splits"]:
             raise DataError(f"{source} has no {split!r} split: use {' or '.join(map(repr, spec['splits']))}")
         kw = dict(question_field=spec["question_field"], answer_field=spec["answer_field"], gold=spec["gold"], gold_timeout=gold_timeout)
+        if data_dir and not Path(data_dir).expanduser().is_dir(): raise DataError(f"data_dir={str(data_dir)!r}: no such folder")
         if path := local_copy(source, split, data_dir):
             rows, name = READERS[path.suffix](path), str(path)
         else:
             looked = [str(Path(d) / spec["folder"]) for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
             hub, config = spec["hub"]
-            rows, name = _hub_rows(hub, config, split, f" (no local copy in {', '.join(looked)})" if looked else ""), f"{hub} ({split})"
+            rows, name = _hub_rows(hub, config, split, f" (no local copy in {', '.join(looked)}: no {split}{'/'.join(READERS)})" if looked else ""), f"{hub} ({split})"
         records, skipped = _collect(rows, name, limit, skip_bad_rows, **kw)
     else:
         kw = dict(question_field=question_field, answer_field=answer_field, gold_timeout=gold_timeout)
         path = Path(source).expanduser()
         if _is_file(source):
+            if path.is_dir(): raise DataError(f"{source} is a folder: name a {', '.join(READERS)} file in it")
             if not path.is_file(): raise DataError(f"{source}: no such file")
             if path.suffix not in READERS:
                 raise DataError(f"{source}: unknown file type {path.suffix!r}: use {', '.join(READERS)}")
             rows, name = READERS[path.suffix](path), str(path)
         else:                                          # a hub dataset, 'name' or 'name:config'
             hub, _, config = source.partition(":")
+            if near := slip_of(hub, ["arithmetic", *KNOWN_DATASETS]):
+                raise DataError(f"task {source!r}: did you mean {near + source[len(hub):]!r}? (a hub dataset is named by its id, e.g. openai/gsm8k)")
             rows, name = _hub_rows(hub, config or None, split), f"{source} ({split})"
         records, skipped = _collect(rows, name, limit, skip_bad_rows, **kw)
     return (records, skipped) if return_skipped else records

@@ -168,7 +168,10 @@ def load_embedder(name_or_path: str | None = None,  # None: all-MiniLM-L6-v2 fro
                                       "e.g. 'jinaai/jina-embeddings-v2-small-en'")
         name_or_path, trust_remote_code = str(Path(spec.submodule_search_locations[0]) / "model"), False
     from sentence_transformers import SentenceTransformer
-    from mmrgrpo.models import refuse_remote_code
+    from mmrgrpo.models import refuse_remote_code, _looks_like_path
+    if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise FileNotFoundError(f"embedding_model={name_or_path!r}: no such folder (a hub model is named by its id, e.g. "
+                          "sentence-transformers/all-MiniLM-L6-v2)")
     with refuse_remote_code("embedding_model", name_or_path):
         return SentenceTransformer(name_or_path, device=device, trust_remote_code=trust_remote_code)
 

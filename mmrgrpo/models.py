@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 import torch
 from .config import ConfigError, GRPOConfig
+from .safety import slip_of
 
 # %% ../nbs/13_models.ipynb #2c4c5e6e
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,10 +78,13 @@ def check_model_source(model: str, gguf_file: str = None):
         if not p.exists(): raise ConfigError(f"model={model!r}: no such GGUF file (looked in {p.resolve().parent}): check the path")
         check_gguf(p); return
     if p.exists():
-        if p.is_dir() and not (p / "config.json").exists():
+        if not p.is_dir(): raise ConfigError(f"model={model!r} is a file: point at a saved model folder or a .gguf file")
+        if not (p / "config.json").exists():
             raise ConfigError(f"model={model!r} is a folder without config.json: point at a saved model folder or a .gguf file")
         return
     if _looks_like_path(model): raise ConfigError(f"model={model!r}: no such file or folder (for a hub model use its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    if near := slip_of(model, ("smollm2", "tiny-random")):
+        raise ConfigError(f"model={model!r}: did you mean {near!r}? (a hub model is named by its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
 
 # %% ../nbs/13_models.ipynb #9344aa26
 def gguf_to_folder(folder, gguf_file: str, out: Path) -> Path:
@@ -207,6 +211,12 @@ def add_lora(model, c: GRPOConfig):
     from peft import LoraConfig, get_peft_model
     targets = c.lora_target_modules
     targets = "all-linear" if targets == ["all-linear"] else targets
+    names = [n for n, _ in model.named_modules() if n]            # peft matches a target to a name or a name's last parts
+    missing = [] if targets == "all-linear" else [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing or not targets:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"lora_target_modules={targets}: " + (f"no module named {', '.join(map(repr, missing))} in this model"
+                          if missing else "names no module") + f"; its linear layers are {', '.join(linear)} (or use ['all-linear'])")
     with warnings.catch_warnings():      # peft reads `is_gradient_checkpointing`, a name transformers 5 deprecates; we do not
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,

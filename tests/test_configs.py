@@ -53,3 +53,11 @@ def test_accelerate_fsdp_launch_means_fsdp2(monkeypatch):
                       (dict(gradient_checkpointing=True), "gradient_checkpointing")]:
         with pytest.raises(ConfigError, match=f"sharding='fsdp2'.*{field}"):
             distributed.shard_policy(object(), load_config(sharding="fsdp2", **kw))
+
+
+def test_settings_that_do_nothing_as_set_are_warned_about():
+    from mmrgrpo.config import load_config
+    for kw, says in ((dict(allocation=True), "allocation=true does nothing with prune_rate=0"),
+                     (dict(token_selection_inverse=True), "token_selection_inverse=true does nothing with token_selection=none"),
+                     (dict(warmup_steps=20, steps=5), "warmup_steps=20 with steps=5: the learning rate never reaches")):
+        with pytest.warns(UserWarning, match=says): load_config(**kw)

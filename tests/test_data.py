@@ -313,3 +313,11 @@ def test_check_prompt_lengths(tok):
     with pytest.raises(DataError, match=rf"my.jsonl row 2: the prompt has {lengths[1]} tokens, more than max_prompt_length={limit}"):
         check_prompt_lengths(tok, prompts, limit, source="my.jsonl")
     assert check_prompt_lengths(tok, prompts, limit, skip_bad_rows=True) == [0, 2]
+
+
+def test_slips_in_task_data_dir_and_embedder_name_the_fix(tmp_path):
+    with pytest.raises(DataError, match=r"task 'arithmatic:1': did you mean 'arithmetic:1'\?"): load_tasks("arithmatic:1", limit=2)
+    with pytest.raises(DataError, match=r"data_dir='.*none': no such folder"): load_tasks("gsm8k", data_dir=tmp_path / "none")
+    with pytest.raises(DataError, match=r"is a folder: name a \.jsonl, \.json, \.parquet file in it"): load_tasks(str(tmp_path))
+    from mmrgrpo.mmr import load_embedder
+    with pytest.raises(FileNotFoundError, match=r"embedding_model='\./nodir': no such folder"): load_embedder("./nodir")

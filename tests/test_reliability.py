@@ -166,6 +166,8 @@ BAD_CONFIGS = {   # change -> (what the message must name, what it must say to d
     "missing folder": (dict(model="/no/such/model"), "model='/no/such/model'", "for a hub model use its id"),
     "missing .gguf": (dict(model="./missing.gguf"), "model='./missing.gguf'", "check the path"),
     "missing gguf folder": (dict(model="/no/such/dir", gguf_file="m.gguf"), "model='/no/such/dir'", "no such folder"),
+    "model name slip": (dict(model="smolm2"), "model='smolm2'", "did you mean 'smollm2'?"),
+    "eps_low >= 1": (dict(eps_low=1.5), "eps_low=1.5", "must be below 1"),
     "unsupported GGUF": ("rwkv7", "architecture 'rwkv7'", "use a GGUF file of one of llama"),
     "unreadable GGUF": (b"GGUF but not really", "is not a readable GGUF file", "download it again"),
     # values that invert training or fail later with a raw error (issue 14, item 12)
@@ -505,3 +507,18 @@ def test_failed_checkpoint_write_keeps_the_previous_one(fail, tmp_path, monkeypa
     model, opt, sched = fresh_policy(c)
     assert load_checkpoint(tmp_path / "checkpoint-1", model, opt, sched)["step"] == 1
     assert same_tensors(trainable(model), saved[1]) and not same_tensors(saved[1], saved[3])
+
+
+def test_lora_targets_that_match_no_module_are_refused():
+    from mmrgrpo.models import load_policy
+    for targets, says in (([], "names no module"), (["qproj", "v_proj"], "no module named 'qproj' in this model")):
+        with pytest.raises(ConfigError) as e: load_policy(load_config(model="tiny-random", lora_target_modules=targets))
+        assert says in one_line(e) and "its linear layers are down_proj, gate_proj" in one_line(e), one_line(e)
+
+
+def test_a_metrics_sink_that_is_not_installed_is_refused_with_the_config(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError) as e: load_config(log_with=["jsonl", "wandb"])
+    assert "wandb is not installed: `pip install wandb`" in one_line(e)

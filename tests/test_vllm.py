@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest, torch
 from packaging.requirements import Requirement
 from mmrgrpo import vllm_backend
-from mmrgrpo.config import load_config
+from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.sampling import HFBackend, completion_mask
 from mmrgrpo.vllm_backend import (VLLM_MAX_BATCHED_TOKENS, VLLMBackend, close_engine, engine_fits, engine_kwargs, logprob_gap,
                                   outputs_to_lists, rollout_from_token_ids, vllm_status)
@@ -60,7 +60,7 @@ def test_vllm_shaped_outputs_give_the_hf_backend_layout(tiny_model, tokenizer):
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
 def test_without_vllm_the_module_imports_and_the_backend_says_what_to_install(tiny_model, tokenizer):
-    with pytest.raises(ImportError, match=r"mmrgrpo\[vllm\]"):
+    with pytest.raises(ConfigError, match=r"mmrgrpo\[vllm\]"):      # a user's fix: one line from the CLI
         VLLMBackend(tiny_model, tokenizer, load_config(model="tiny-random", generation_backend="vllm"))
 
 

@@ -364,7 +364,7 @@ def parse_overrides(pairs) -> dict:
     "Turn ['steps=5', 'mmr=true'] into {'steps': 5, 'mmr': True}."
     out = {}
     for p in pairs:
-        if "=" not in p: raise ConfigError(f"override {p!r} is not key=value (e.g. steps=5)")
+        if "=" not in p or not p.split("=", 1)[0].strip(): raise ConfigError(f"override {p!r} is not key=value (e.g. steps=5)")
         k, v = p.split("=", 1)
         out[k.strip()] = read_yaml(v, f"override {p!r}", ConfigError) if v.strip() else None
     return out

@@ -33,7 +33,7 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.defer and self.signum is None:
             self.signum, self.at = signum, time.monotonic()
-            os.write(2, f"\n{name}: finishing this step (at most {STOP_GRACE_S:g} s more), then saving a checkpoint ({name} "
+            os.write(2, f"\n{name}: finishing this step (given up after {STOP_GRACE_S:g} s, at the next token or micro-batch), then saving a checkpoint ({name} "
                         "again stops at once)\n".encode())
             return
         what = " again: abandoned the step in progress" if self.defer else ": stopped"

@@ -74,6 +74,8 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
         return group_advantages(mmr_reweight_groups(rewards, embeddings, group_size, lam=lam, **reference_options)[0], group_size, scale=scale)
     if reference_options.get("scope", "group") != "group":
         raise ValueError("scope='batch' pools groups, which only the reference rule does: use variant='reference'")
+    if unknown := set(reference_options) - {"first_pick", "scope", "tie_break"}: raise TypeError(f"unknown option(s) {sorted(unknown)}")
+    if lam is not None and not 0 < lam <= 1: raise ValueError(f"lam={lam}: a fixed λ must lie in (0, 1], or None for adaptive")
     r = group_view(rewards.float(), group_size)                            # (B, G)
     A = group_view(group_advantages(rewards, group_size, scale=scale), group_size)
     S = similarity_matrix(embeddings.to(r.device), group_size)             # (B, G, G)

@@ -50,6 +50,9 @@ def aggregate_loss(loss: torch.Tensor,           # (N, T) per-token loss
                    num_tokens: int = None,       # valid tokens in the whole batch (default: mask.sum())
                   ) -> torch.Tensor:
     "Average a per-token loss the `grpo`, `dr_grpo` or `dapo` way, normalised by whole-batch counts."
+    if any(v is not None and v < 0 for v in (max_completion_length, num_sequences, num_tokens)):
+        raise ValueError(f"max_completion_length={max_completion_length}, num_sequences={num_sequences}, num_tokens={num_tokens}: "
+                         "counts cannot be negative")
     mask = mask.to(loss.dtype)
     n_seq = num_sequences or loss.shape[0]
     if loss_type == "grpo":
@@ -67,6 +70,7 @@ def truncated_is_weights(logp_old: torch.Tensor,      # (N, T) the learner's log
                          mask: torch.Tensor = None,   # (N, T) 1 for completion tokens; padding gets ratio 1
                         ) -> tuple:                   # (weights, capped, ratio), each (N, T), no gradient
     "Truncated importance weights min(exp(logp_old - logp_sampler), C) per token, where the cap bit, and the uncapped ratio."
+    if not cap > 0: raise ValueError(f"cap={cap}: the largest importance weight must be a number > 0")
     ratio = (logp_old.detach().float() - logp_sampler.detach().float()).exp()
     if mask is not None: ratio = torch.where(mask.bool(), ratio, torch.ones_like(ratio))
     return ratio.clamp(max=cap), ratio > cap, ratio

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .advantages import group_view
+from .advantages import check_finite, group_view
 
 # %% ../nbs/20_mmr.ipynb #4d16fc6a
 def similarity_matrix(embeddings: torch.Tensor,  # (B*G, D) completion embeddings, ordered group by group
@@ -111,6 +111,7 @@ def mmr_reweight_groups(rewards: torch.Tensor,     # (B*G,) raw rewards, ordered
         raise ValueError(f"scope={scope!r}: use 'group' (default) or 'batch' (reproduces the reference code)")
     if lam is not None and not 0 <= lam <= 1:
         raise ValueError(f"lam={lam}: a fixed MMR trade-off must lie in [0, 1] (the paper uses 0.7), or None for adaptive")
+    check_finite(rewards, "rewards")                                  # a NaN score would break the greedy picks
     r = group_view(rewards.float(), group_size)                       # (B, G)
     if embeddings.shape[0] != rewards.numel():
         raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: pass one embedding per completion")

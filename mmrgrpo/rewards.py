@@ -177,6 +177,8 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: give one weight per function")
+    if bad := [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w)]:
+        raise ValueError(f"reward weights {bad}: each weight must be a finite number")
     names = [reward_name(f) for f in funcs]
     names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]   # keep metrics of namesakes apart
     before, n = reward_counters(), len(completions)

@@ -10,6 +10,7 @@ __all__ = ['short_repr', 'clip_text', 'slip_of', 'read_yaml', 'read_utf8', 'repl
 
 # %% ../nbs/00_safety.ipynb #2ca88664
 import contextlib, difflib, os, reprlib, threading
+import numpy as np
 from fractions import Fraction
 from pathlib import Path
 import yaml
@@ -97,7 +98,9 @@ def call_with_timeout(func, kwargs: dict, timeout: float) -> tuple:
 # %% ../nbs/00_safety.ipynb #ab77a78f
 def exact_rate(rate) -> Fraction:
     "A rate as the exact fraction its shortest decimal spelling means: `0.7` is 7/10, not the nearest binary float."
-    return rate if isinstance(rate, Fraction) else Fraction(repr(float(rate))).limit_denominator(10**9)
+    if isinstance(rate, Fraction): return rate
+    short = getattr(getattr(rate, "dtype", None), "itemsize", 8) < 8       # a float32/16 scalar (numpy, torch): its own spelling
+    return Fraction(str(np.float32(float(rate))) if short else repr(float(rate))).limit_denominator(10**9)
 
 def _check_prune_rate(prune_rate) -> Fraction:
     P = exact_rate(prune_rate)

@@ -111,6 +111,8 @@ def select_tokens(scores: torch.Tensor,           # (N, T) token scores (>= 0), 
     if scope not in ("group", "batch"):
         raise ValueError(f"scope={scope!r}: use 'group' (GMTS) or 'batch' (the entropy baseline)")
     N, T = scores.shape
+    if completion_mask.shape != scores.shape:
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} and scores {tuple(scores.shape)}: one mask entry per score")
     ids = as_group_ids(groups, N, scores.device)
     if keep_ratio == 1 and not inverse: return completion_mask.bool().clone()   # every token: the plain loss
     if scope == "batch": ids = torch.zeros_like(ids)

@@ -100,3 +100,21 @@ def test_eager_and_sdpa_attention_agree_with_padding(tokenizer, group_size):
         out[impl] = (lp, grads)
     assert torch.allclose(out["sdpa"][0], out["eager"][0], atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(out["sdpa"][1], out["eager"][1]))
+
+
+def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
+    "Found by calling the functions as a careless user would: each used to return a wrong number without a word."
+    import numpy as np
+    from mmrgrpo.loss import truncated_is_weights
+    from mmrgrpo.pruning import keep_mask
+    from mmrgrpo.rewards import compute_rewards, format_reward
+    from mmrgrpo.safety import pruned_count
+    from mmrgrpo.tokens import select_tokens
+    with pytest.raises(ValueError, match="rewards hold 1 non-finite"): group_advantages(torch.tensor([1., math.nan, 0., 1.]), 4)
+    with pytest.raises(ValueError, match="group_size=1"): group_advantages(torch.ones(4), 1)
+    with pytest.raises(ValueError, match="counts cannot be negative"): aggregate_loss(torch.ones(2, 3), torch.ones(2, 3), num_sequences=-1)
+    with pytest.raises(ValueError, match="cap=0"): truncated_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
+    with pytest.raises(ValueError, match="one mask entry per score"): select_tokens(torch.rand(4, 5), torch.ones(1, 5), 2, keep_ratio=1.0)
+    with pytest.raises(ValueError, match=r"reward weights \[nan\]"): compute_rewards([format_reward], [math.nan], ["p"], ["c"], {})
+    assert pruned_count(10, np.float32(0.7)) == 7 and pruned_count(10, torch.tensor(0.7)) == 7       # a float32 0.7 is 7/10
+    assert int(keep_mask(torch.randn(10), 10, torch.tensor(0.7)).sum()) == 3

@@ -8,11 +8,15 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/advantages.html.md"""
 __all__ = ['group_view', 'as_group_ids', 'group_runs', 'check_finite', 'group_advantages', 'frac_zero_std']
 
 # %% ../nbs/16_advantages.ipynb #6be2b21f
+import operator
 import torch
 
 # %% ../nbs/16_advantages.ipynb #23568d88
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
     "View a flat tensor of `B*G` per-completion values as `(B, G)`, one row per group."
+    if x.dim() != 1: raise ValueError(f"a flat (B*G,) tensor of per-completion values is expected, not shape {tuple(x.shape)}")
+    try: group_size = operator.index(group_size)            # an int, numpy int or integer tensor; not 2.0
+    except TypeError: raise TypeError(f"group_size={group_size!r}: a whole number of completions per group") from None
     if group_size < 1 or x.numel() % group_size:
         raise ValueError(f"{x.numel()} values cannot be split into groups of {group_size}: "
                          "the number of completions must be a multiple of num_generations")

@@ -72,6 +72,7 @@ def protect_named_folder(overrides) -> list:
     named = {o.split("=", 1)[0].strip() for o in overrides}
     return [*overrides, "overwrite=false"] if "output_dir" in named and "overwrite" not in named else list(overrides)
 
+# %% ../nbs/45_cli.ipynb #e668d0e5
 def main(argv=None):
     "Entry point of the `mmrgrpo` command: an error a user can fix is one line, `error: ...`, and exit code 2."
     parser = _parser()

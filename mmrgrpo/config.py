@@ -248,6 +248,7 @@ def _check_methods(c: GRPOConfig, need):
                        "learning rate never reaches learning_rate")):
         if idle: warnings.warn(why, stacklevel=4)
 
+# %% ../nbs/12_config.ipynb #1269bd47
 def _check_engines(c: GRPOConfig, world_size: int, need):
     "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume, the best checkpoint."
     need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off with hf); "

@@ -243,6 +243,7 @@ def _arithmetic_level(source: str) -> int:
     except (ValueError, IndexError):
         raise DataError(f"task {source!r}: write 'arithmetic:<level>' with level 1, 2, 3 or 4") from None
 
+# %% ../nbs/11_data.ipynb #f8e0d737
 def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset
                split: str = "train",              # dataset split (arithmetic: 'train' or any other name for the held-out seed)
                *,

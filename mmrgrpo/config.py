@@ -15,7 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal, Optional
 import yaml
-from .safety import short_repr as _show, read_yaml, read_utf8, replace_file
+from .safety import short_repr as _show, read_yaml, read_utf8, replace_file, slip_of
 from .safety import exact_rate, pruned_count, allocated_prompts
 
 # %% ../nbs/12_config.ipynb #7dde2eaa
@@ -375,9 +375,8 @@ def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:
     fs, hints = _fields(), typing.get_type_hints(GRPOConfig)
     unknown = [k for k in d if k not in fs]
     if unknown:
-        import difflib
-        hint = {k: difflib.get_close_matches(k, list(fs), n=1) for k in unknown}
-        raise ConfigError(f"{source}: unknown key(s) " + ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+        hint = {k: slip_of(str(k), fs, cutoff=0.6) for k in unknown}
+        raise ConfigError(f"{source}: unknown key(s) " + ", ".join(f"{k!r}" + (f" (did you mean {h!r}?)" if h else "")
                                                                  for k, h in hint.items()))
     vals = {k: _check_type(k, v, hints[k]) for k, v in d.items()}
     return check_config(GRPOConfig(**vals))

@@ -28,9 +28,9 @@ def clip_text(s: str, limit: int = 80) -> str:
     s = s.replace("\n", "\\n")
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
-def slip_of(name: str, names):
-    "The one of `names` that `name` looks like a typing slip of, or None; a name with a '/' (a hub id, owner/name) is no slip."
-    near = [] if "/" in name else difflib.get_close_matches(name, list(names), n=1, cutoff=0.8)
+def slip_of(name: str, names, cutoff: float = 0.8):
+    "The one of `names` that `name` looks like a typing slip of (`difflib`'s similarity >= `cutoff`), or None; a name with a '/' (a hub id, owner/name) is no slip."
+    near = [] if "/" in name else difflib.get_close_matches(name, list(names), n=1, cutoff=cutoff)
     return near[0] if near else None
 
 # %% ../nbs/00_safety.ipynb #88d6b0fe

@@ -10,7 +10,7 @@ __all__ = ['MMR_VARIANTS', 'above_mean', 'positive_redundancy', 'credit_beta', '
 # %% ../nbs/20a_diversity.ipynb #a19d6921
 import torch
 
-from .advantages import group_view, group_advantages
+from .advantages import as_values, group_view, group_advantages
 from .mmr import similarity_matrix, mmr_reweight_groups
 
 # %% ../nbs/20a_diversity.ipynb #d3f031a9
@@ -68,6 +68,7 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
                         ) -> torch.Tensor:          # (B*G,) advantages
     "Advantages that account for redundancy: the diversity credit, or GRPO advantages of the reference MMR rewards."
     if variant not in MMR_VARIANTS: raise ValueError(f"variant={variant!r}: use one of {MMR_VARIANTS}")
+    rewards, embeddings = as_values(rewards, "rewards"), as_values(embeddings, "embeddings")
     if embeddings.shape[0] != rewards.numel():
         raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: pass one embedding per completion")
     if variant == "reference":

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .advantages import check_finite, group_view
+from .advantages import as_values, check_finite, group_view, whole_group_size
 
 # %% ../nbs/20_mmr.ipynb #4d16fc6a
 def similarity_matrix(embeddings: torch.Tensor,  # (B*G, D) completion embeddings, ordered group by group
                       group_size: int,            # G
                      ) -> torch.Tensor:           # (B, G, G) cosine similarities within each group
     "Cosine similarity of the completions of each group: rows are normalised to unit length, then `S = E Eᵀ`."
+    embeddings, group_size = as_values(embeddings, "embeddings"), whole_group_size(group_size)
     if embeddings.ndim != 2 or embeddings.shape[0] % group_size:
         raise ValueError(f"embeddings of shape {tuple(embeddings.shape)} cannot be split into groups of {group_size}: "
                          "pass one row per completion, ordered group by group")
@@ -111,6 +112,7 @@ def mmr_reweight_groups(rewards: torch.Tensor,     # (B*G,) raw rewards, ordered
         raise ValueError(f"scope={scope!r}: use 'group' (default) or 'batch' (reproduces the reference code)")
     if lam is not None and not 0 <= lam <= 1:
         raise ValueError(f"lam={lam}: a fixed MMR trade-off must lie in [0, 1] (the paper uses 0.7), or None for adaptive")
+    rewards, embeddings = as_values(rewards, "rewards"), as_values(embeddings, "embeddings")
     check_finite(rewards, "rewards")                                  # a NaN score would break the greedy picks
     r = group_view(rewards.float(), group_size)                       # (B, G)
     if embeddings.shape[0] != rewards.numel():
@@ -130,6 +132,7 @@ def mmr_reweight(rewards: torch.Tensor,     # (G,) raw rewards of one group
                  tie_break: str = "distinct",  # "distinct" or "index"
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # reweighted rewards (G,), λ used (0-d)
     "MMR-reweighted rewards of one group: `mmr_reweight_groups` with a single group."
+    rewards = as_values(rewards, "rewards")
     out, lams = mmr_reweight_groups(rewards, embeddings, rewards.numel(), lam=lam, first_pick=first_pick, tie_break=tie_break)
     return out, lams[0]
 
@@ -150,8 +153,9 @@ def dra_reweight(rewards: torch.Tensor,     # (B*G,) raw rewards, ordered group 
                  group_size: int,           # G
                 ) -> torch.Tensor:          # (B*G,) reweighted rewards
     "DRA-GRPO baseline: each reward divided by its completion's summed cosine similarity to its group (self included)."
+    rewards, embeddings = as_values(rewards, "rewards"), as_values(embeddings, "embeddings")
     r = group_view(rewards.float(), group_size)                   # (B, G)
-    S = similarity_matrix(embeddings.to(r.device), group_size)    # (B, G, G)
+    S = similarity_matrix(embeddings.to(r.device), group_size).clamp_(min=0)   # (B, G, G); opposite counts as unlike
     S.diagonal(dim1=1, dim2=2).fill_(1.0)
     return (r / S.sum(dim=2)).flatten()
 

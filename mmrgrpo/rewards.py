@@ -118,6 +118,7 @@ def length_scaled(is_correct: bool, n_chars: int,
                   correct: tuple = (0.5, 1.0),               # (at max_len, at length 0) for a correct answer
                   wrong: tuple = (-0.5, 0.0)) -> float:      # (at max_len, at length 0) for a wrong answer
     "The cosine-scaled reward of one completion of `n_chars` characters, correct or not."
+    if not max_len > 0: raise ValueError(f"max_len={max_len}: the length at which the scaling bottoms out must be > 0")
     lo, hi = correct if is_correct else wrong
     return lo + (hi - lo) * (1 + math.cos(math.pi * min(n_chars / max_len, 1.0))) / 2
 
@@ -181,6 +182,10 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
         raise ValueError(f"reward weights {bad}: each weight must be a finite number")
     names = [reward_name(f) for f in funcs]
     names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]   # keep metrics of namesakes apart
+    for name, xs in (("prompts", prompts), ("completions", completions)):
+        if isinstance(xs, (str, bytes)): raise TypeError(f"{name} is one string: pass a list, one entry per completion")
+    if bad := {k: len(v) for k, v in {"prompts": prompts, **columns}.items() if len(v) != len(completions)}:
+        raise ValueError(f"{len(completions)} completions, but {bad}: every list needs one entry per completion")
     before, n = reward_counters(), len(completions)
     total, metrics = torch.zeros(n, dtype=torch.float64), {}
     for func, weight, name in zip(funcs, weights, names):

@@ -118,3 +118,30 @@ def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     with pytest.raises(ValueError, match=r"reward weights \[nan\]"): compute_rewards([format_reward], [math.nan], ["p"], ["c"], {})
     assert pruned_count(10, np.float32(0.7)) == 7 and pruned_count(10, torch.tensor(0.7)) == 7       # a float32 0.7 is 7/10
     assert int(keep_mask(torch.randn(10), 10, torch.tensor(0.7)).sum()) == 3
+
+
+def test_lists_work_as_tensors_and_what_is_no_number_is_named():
+    "The algorithm functions take plain lists (or numpy arrays) as a notebook user types them, and refuse the rest by name."
+    import numpy as np
+    from mmrgrpo.mmr import dra_reweight, mmr_reweight, mmr_reweight_groups, similarity_matrix
+    from mmrgrpo.diversity import diversity_advantages
+    from mmrgrpo.pruning import keep_mask
+    from mmrgrpo.rewards import compute_rewards, format_reward, length_scaled
+    r, E = [1., 0., 1., 0.], [[1., 0.], [.6, .8], [.8, .6], [0., 1.]]
+    rt, Et = torch.tensor(r), torch.tensor(E)
+    assert torch.equal(group_advantages(r, 4), group_advantages(rt, 4))
+    assert torch.equal(group_advantages(np.array(r), 4), group_advantages(rt, 4))
+    assert torch.equal(mmr_reweight_groups(r, E, 4)[0], mmr_reweight_groups(rt, Et, 4)[0])
+    assert torch.equal(mmr_reweight(r, E)[0], mmr_reweight(rt, Et)[0])
+    assert torch.equal(diversity_advantages(r, E, 4), diversity_advantages(rt, Et, 4))
+    assert torch.equal(keep_mask(r, 4, 0.5), keep_mask(rt, 4, 0.5))
+    with pytest.raises(TypeError, match="rewards: a tensor"): group_advantages("1010", 4)
+    with pytest.raises(TypeError, match="rewards: a tensor"): group_advantages(["1", "0"], 2)
+    with pytest.raises(ValueError, match="group_size=0"): similarity_matrix(Et, 0)          # was a ZeroDivisionError
+    with pytest.raises(TypeError, match="group_size=2.0"): similarity_matrix(Et, 2.0)
+    # DRA: completions pointing apart would divide a reward by a similarity sum of zero (inf); negative counts as unlike
+    assert torch.equal(dra_reweight([1., 0.], [[1., 0.], [-1., 0.]], 2), torch.tensor([1., 0.]))
+    # rewards: a string of completions was scored character by character; lists of unequal length reached the reward functions
+    with pytest.raises(TypeError, match="completions is one string"): compute_rewards([format_reward], None, ["p"] * 3, "abc", {})
+    with pytest.raises(ValueError, match="one entry per completion"): compute_rewards([format_reward], None, ["p", "q"], ["c"], {})
+    with pytest.raises(ValueError, match="max_len=0"): length_scaled(True, 5, max_len=0)

@@ -293,6 +293,16 @@ def test_model_code_runs_only_with_trust_remote_code(field, tmp_path):
     assert marker.read_text() == "imported", p.stdout[-2000:] + p.stderr[-3000:]
 
 
+def test_a_model_folder_without_weights_is_one_line(tmp_path):
+    "A folder with a config and a tokenizer but no weights file: a ConfigError, not transformers' OSError from deep inside."
+    from mmrgrpo.models import load_policy, load_tokenizer, resolve_model, tiny_random_model
+    tok = load_tokenizer(resolve_model("smollm2"))
+    folder = tmp_path / "no_weights"
+    tiny_random_model(tok).config.save_pretrained(folder); tok.save_pretrained(folder)
+    with pytest.raises(ConfigError) as e: load_policy(load_config(**{**BASE, "model": str(folder)}))
+    assert f"model={str(folder)!r}: the folder has a config.json but no weights" in one_line(e)
+
+
 # --- 4: bad data at train time names the file and row, before the model loads; skip_bad_rows skips and counts
 
 GOOD = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]

@@ -21,6 +21,8 @@ trainer does on a CPU). Arms, the first six in micro-batches of 16 completions (
 - `bf16 base, auto passes, packed`: and the completions packed (what "auto" gives on a CPU with bf16 units); the bf16 arms'
   masked attention runs in plain matmuls where `update_attention=auto` takes it (34a_matmul_attention);
 - `bf16 base, auto passes, packed, sdpa attention`: the arm above with torch's fused attention kernel (`update_attention=sdpa`);
+- `bf16 base, auto passes, packed, peft input casts`: the default arm with peft's casts of each LoRA layer's bf16 input to
+  fp32 and back left in (the update leaves the input as it comes under autocast, `lora_inputs_uncast`, 34_fast_update);
 - `fp32@REF`, `bf16 autocast@REF` (with `--baseline-ref REF`): the update as the package was at commit REF, on the same rollout
   and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
@@ -53,8 +55,10 @@ activations, the head's log-softmax), and outside ops (the wall-clock minus the 
 
     python bench/compute_efficiency.py             # full: about 9 min on 2 cores
     python bench/compute_efficiency.py --quick     # tiny random model and small matmuls, seconds
+    python bench/compute_efficiency.py --arms "bf16 base, auto passes, packed" "bf16 base, auto passes, packed, peft input casts"
 """
-import argparse, dataclasses, math, sys, time
+import argparse, contextlib, dataclasses, math, sys, time
+from unittest import mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,6 +171,13 @@ def baseline_worker(args):
     bl.serve_baseline(one)
 
 
+def peft_casts(arm: str):
+    "For the `peft input casts` arm: the update's passes without `lora_inputs_uncast`, so peft casts each LoRA input to fp32 and autocast back."
+    import mmrgrpo.step as st
+    if "peft input casts" not in arm: return contextlib.nullcontext()
+    return mock.patch.object(st, "lora_inputs_uncast", lambda model: contextlib.nullcontext())
+
+
 def profile_update(net, cfg, params: dict, init: dict, ro, adv, c) -> dict:
     "Seconds by kind of op (`benchlib.op_kinds`) of one update of `net` with `cfg` from the initial weights, under torch's profiler."
     import torch
@@ -187,6 +198,7 @@ def main(argv=None):
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--baseline-ref", default=None, help="also time the update (fp32, bf16 autocast) as the package was at this commit")
     ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--arms", nargs="+", default=None, metavar="ARM", help="time only these arms (default: all); the first is the ratios' base")
     ap.add_argument("--profile", nargs="*", default=None, metavar="ARM",
                     help="after the timed rounds, one more update of each ARM (default: fp32 and what auto gives) under torch's "
                          "profiler, its time split by kind of op")
@@ -255,7 +267,11 @@ def main(argv=None):
             "bf16 base": (base16, dataclasses.replace(c, autocast_bf16=True, **mb, **pad)),
             "bf16 base, auto passes": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, **pad)),
             "bf16 base, auto passes, packed": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0)),
-            "bf16 base, auto passes, packed, sdpa attention": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, update_attention="sdpa"))}
+            "bf16 base, auto passes, packed, sdpa attention": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0, update_attention="sdpa")),
+            "bf16 base, auto passes, packed, peft input casts": (base16, dataclasses.replace(c, autocast_bf16=True, micro_batch_size=0))}
+    if args.arms:
+        if unknown := [a for a in args.arms if a not in arms]: raise SystemExit(f"--arms: no arm {unknown}; arms: {list(arms)}")
+        arms = {a: arms[a] for a in args.arms}
     worker = None
     if args.baseline_ref:
         with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f: shared = f.name
@@ -276,9 +292,10 @@ def main(argv=None):
                 for n, p in ps.items(): p.copy_(init[n])
             opt = torch.optim.AdamW(list(ps.values()), lr=c.learning_rate, weight_decay=c.weight_decay)
             ph = tr.Phases()
-            t0 = time.perf_counter()
-            m = tr.update(net, opt, ro, adv, cfg, None, ph, {})
-            total, times, loss = time.perf_counter() - t0, dict(ph.t), m["loss"]
+            with peft_casts(name):
+                t0 = time.perf_counter()
+                m = tr.update(net, opt, ro, adv, cfg, None, ph, {})
+                total, times, loss = time.perf_counter() - t0, dict(ph.t), m["loss"]
         print(f"  {'warm-up' if rep < args.warmup else f'round {rep - args.warmup + 1}'} {name:28s} {total:6.2f}s  " +
               " ".join(f"{k}={v:.2f}" for k, v in times.items()), flush=True)
         if rep >= args.warmup:
@@ -287,7 +304,7 @@ def main(argv=None):
     profiled = {}
     for name in ([] if args.profile is None else args.profile or ["fp32", "bf16 base, auto passes, packed"]):
         if arms.get(name) is None: raise SystemExit(f"--profile: no arm {name!r} of this process; arms: {[a for a in arms if arms[a]]}")
-        profiled[name] = profile_update(*arms[name], p16 if arms[name][0] is base16 else params, init, ro, adv, c)
+        with peft_casts(name): profiled[name] = profile_update(*arms[name], p16 if arms[name][0] is base16 else params, init, ro, adv, c)
     upd_rows = []
     for name, xs in raw.items():
         t = bl.median([x["total"] for x in xs])
@@ -311,7 +328,7 @@ def main(argv=None):
                    {"update_phase_s": ".2f", "ref_s": ".2f", "policy_s": ".2f", "GFLOPs_achieved": ".1f",
                     "frac_of_own_peak": ".1%", "useful_frac_of_own_peak": ".1%", "frac_of_fp32_peak": ".1%",
                     "ref_GFLOPs": ".1f", "policy_GFLOPs": ".1f"}))
-    print("update time / fp32's: " + ", ".join(f"{r['arm']} {r['time_ratio_vs_fp32']:.2f}" for r in upd_rows))
+    print(f"update time / {upd_rows[0]['arm']}'s: " + ", ".join(f"{r['arm']} {r['time_ratio_vs_fp32']:.2f}" for r in upd_rows))
     if profiled:
         print("\none update per arm under torch's profiler, seconds by kind of op (own CPU time; outside ops: wall minus the ops)")
         print(bl.table([{"arm": a, **v} for a, v in profiled.items()], ["arm", *next(iter(profiled.values()))],

@@ -8,11 +8,11 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GLIBC_THRESHOLD', 'MICRO_BATCH_POSITIONS', 'SUFFIX', 'COMPLETION', 'PAD',
            'keep_freed_memory', 'trim_freed_memory', 'KeptHeap', 'cast_frozen', 'matmul_dtype', 'head_logits',
            'HeadStats', 'fused_chunk_stats', 'BaseLinear16', 'bf16_frozen_base', 'wants_bf16_base',
-           'micro_batch_positions', 'update_positions', 'group_passes', 'counted_lengths', 'pack_rows', 'packed_mask',
-           'packed_completion_stats', 'packs_completions']
+           'lora_inputs_uncast', 'micro_batch_positions', 'update_positions', 'group_passes', 'counted_lengths',
+           'pack_rows', 'packed_mask', 'packed_completion_stats', 'packs_completions']
 
 # %% ../nbs/34_fast_update.ipynb #9319f67e
-import ctypes, weakref
+import contextlib, ctypes, weakref
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -154,6 +154,14 @@ def wants_bf16_base(c: GRPOConfig, device) -> bool:
         raise ConfigError(f"bf16_base=true: this run has {precision.describe()}, lora={c.lora}, load_in_4bit={c.load_in_4bit}, "
                           f"sharding={c.sharding}; a bf16 base needs an fp32 LoRA base under bf16 autocast: set bf16_base=auto")
     return ok and (c.bf16_base is True or torch.device(device).type == "cpu")
+
+# %% ../nbs/34_fast_update.ipynb #b47a74ff
+@contextlib.contextmanager
+def lora_inputs_uncast(model):
+    "Under autocast, peft's LoRA layers give the adapter its input as it comes (peft casts bf16 to fp32, autocast back to bf16: the same numbers); without autocast nothing changes."
+    if not torch.is_autocast_enabled(model.device.type): yield; return
+    from peft.helpers import disable_input_dtype_casting
+    with disable_input_dtype_casting(model): yield
 
 # %% ../nbs/34_fast_update.ipynb #de44a536
 MICRO_BATCH_POSITIONS = {torch.float32: 1024, torch.bfloat16: 1536}    # completion positions per pass on a CPU, measured

@@ -28,7 +28,7 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions, counted_lengths
+from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions, counted_lengths, lora_inputs_uncast
 from .matmul_attention import matmul_attention, wants_matmul_attention
 
 # %% ../nbs/41_step.ipynb #0d6887c6
@@ -188,7 +188,7 @@ def packing(c: GRPOConfig, model) -> bool:
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
     "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
     groups = rollout.group_ids[rows] if shares_prompts(c) else 1      # 1: each row runs its own prompt
-    with autocast(c.autocast_bf16, model.device.type), matmul_attention(wants_matmul_attention(c, model.device)):
+    with autocast(c.autocast_bf16, model.device.type), matmul_attention(wants_matmul_attention(c, model.device)), lora_inputs_uncast(model):
         return (packed_completion_stats if packing(c, model) else completion_stats)(
             model, *_rows(rollout, rows), temperature=c.temperature, chunk_size=c.logp_chunk_size, with_sumsq=with_sumsq,
             group_size=groups, chunk_fn=fused_chunk_stats if c.fused_head else None)

@@ -1,5 +1,5 @@
 """How much of a LoRA adapter's effect a bf16 sampling copy keeps, merged from the fp32 base or from a base stored in bf16
-(`34_fast_update`'s `bf16_frozen_base`), with and without the rounding remainder the bf16 base keeps.
+(`34b_bf16_update`'s `bf16_frozen_base`), with and without the rounding remainder the bf16 base keeps.
 
 A trained adapter (a checkpoint's `adapter/` folder, e.g. of `mmrgrpo demo`) is loaded into SmolLM2, scaled by 0.1, 0.3 and 1
 (0.1x is about the size of the first steps' adapter), and 32 completions of arithmetic prompts are scored by the fp32 learner
@@ -27,7 +27,7 @@ def main(argv=None):
     from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
     from mmrgrpo.sampler_copy import CopyBackend
-    from mmrgrpo.fast_update import bf16_frozen_base, _ROUNDING
+    from mmrgrpo.bf16_update import bf16_frozen_base, _ROUNDING
     from mmrgrpo.logprobs import completion_stats
     policy, tok = load_policy(load_config(model="tiny-random" if args.quick else "smollm2", dtype="float32", lora=True))
     if not args.quick: set_peft_model_state_dict(policy, load_file(glob.glob(f"{args.checkpoint}/adapter/*.safetensors")[0]))

@@ -50,7 +50,8 @@ def main(argv=None):
     from mmrgrpo.mmr import load_embedder
     from mmrgrpo.advantages import group_advantages, frac_zero_std
     from mmrgrpo.step import micro_batches, packing
-    from mmrgrpo.fast_update import update_positions, counted_lengths
+    from mmrgrpo.fast_update import counted_lengths
+    from mmrgrpo.bf16_update import update_positions
     repeats = args.repeats or (2 if args.quick else 3)
     base = dict(bl.QUICK_CONFIG, num_generations=8) if args.quick else dict(bl.BENCH_CONFIG)
     c = load_config(overrides=args.set, **dict(base, steps=1, output_dir="runs/bench_overheads", threads=args.threads))

@@ -28,14 +28,14 @@ from .pruning import keep_mask
 from .tokens import token_scores, select_tokens, mask_advantages
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
-from .fast_update import update_positions, fused_chunk_stats, group_passes, micro_batch_positions, packed_completion_stats, packs_completions, counted_lengths, lora_inputs_uncast
+from .fast_update import fused_chunk_stats, packed_completion_stats, packs_completions, counted_lengths
+from .bf16_update import update_positions, group_passes, micro_batch_positions, lora_inputs_uncast
 from .matmul_attention import matmul_attention, wants_matmul_attention
 
 # %% ../nbs/41_step.ipynb #0d6887c6
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
     "Weighted rewards (N,) and metrics for a rollout whose groups come from `records`."
-    G = rollout.group_size
-    columns = {k: [r.get(k) for r in records for _ in range(G)] for k in records[0] if k != "question"}
+    columns = {k: [r.get(k) for r in records for _ in range(rollout.group_size)] for k in records[0] if k != "question"}
     return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns, on_error=c.on_reward_error,
                            timeout=c.reward_timeout)
 
@@ -80,7 +80,7 @@ def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int =
     return rollout.select(keep), advantages[keep], {"prune/kept_fraction": keep.float().mean().item()}
 
 # %% ../nbs/41_step.ipynb #8984ee1d
-CPU_MICRO_BATCH_POSITIONS = micro_batch_positions(torch.float32)   # `34_fast_update`'s budget by dtype; fp32 here
+CPU_MICRO_BATCH_POSITIONS = micro_batch_positions(torch.float32)   # `34b_bf16_update`'s budget by dtype; fp32 here
 
 def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group's rows next to each other
                   width,                    # completion positions per row: T, or each row's (a list; packed rows)

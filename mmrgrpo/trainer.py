@@ -32,7 +32,8 @@ from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
-from .fast_update import keep_freed_memory, KeptHeap, wants_bf16_base, bf16_frozen_base
+from .fast_update import keep_freed_memory, KeptHeap
+from .bf16_update import wants_bf16_base, bf16_frozen_base
 from .matmul_attention import wants_matmul_attention
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
@@ -334,7 +335,7 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
     data = fit_run_data(tokenizer, c, data)
-    speed = speed_settings(c, model, device)       # 34_fast_update: the allocator and a bf16 base, before the sampler copies it
+    speed = speed_settings(c, model, device)       # 34_fast_update, 34b_bf16_update: the allocator and a bf16 base, before the sampler copies it
     tools = build_step_tools(c, model, tokenizer)
     copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
     check_step_memory(tools.model, c, world, copies, warn=rank == 0,     # before any step: refuse what cannot fit, warn what may not
@@ -347,7 +348,7 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     return data, tools, {**precision.metrics(), "precision/sampler": sampler, **speed}
 
 def speed_settings(c: GRPOConfig, model, device) -> dict:
-    "Apply `34_fast_update`'s settings of the process and the weights that the config asks for; what was applied, for the first metrics row."
+    "Apply `34_fast_update`'s and `34b_bf16_update`'s settings of the process and the weights that the config asks for; what was applied, for the first metrics row."
     kept = torch.device(device).type == "cpu" and c.keep_freed_memory is not False and keep_freed_memory()
     if c.keep_freed_memory is True and not kept: print("keep_freed_memory=true: no glibc mallopt here; memory is handled as usual", file=sys.stderr)
     if wants_bf16_base(c, device): bf16_frozen_base(model)

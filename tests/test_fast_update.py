@@ -1,11 +1,11 @@
-"""The update's speed settings (`34_fast_update`) change how, not what, it computes: the closed-form head gives the checkpointed
+"""The update's speed settings (`34_fast_update`, `34b_bf16_update`) change how, not what, it computes: the closed-form head gives the checkpointed
 chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches follow the update's dtype, and a run
 records what it applied and the whole process's peak memory."""
 import copy, dataclasses, tempfile
 import pytest, torch
 from mmrgrpo.config import ConfigError, GRPOConfig, load_config
-from mmrgrpo.fast_update import (HeadStats, bf16_frozen_base, cast_frozen, keep_freed_memory, micro_batch_positions,
-                                 wants_bf16_base)
+from mmrgrpo.fast_update import HeadStats, cast_frozen, keep_freed_memory
+from mmrgrpo.bf16_update import bf16_frozen_base, micro_batch_positions, wants_bf16_base
 from mmrgrpo.models import add_lora, tiny_random_model
 from mmrgrpo.sampling import Rollout
 from mmrgrpo.step import UpdateBatch, prune, update

@@ -12,7 +12,9 @@ of a generation under the profiler), because torch's CPU kernel works one row an
   prompts' keys in one matmul per key-value head (another prompt's keys masked with -inf), the completion's own keys in a
   second, one softmax over both: the prompt-once-per-group attention section 0a proposed, in the form that survives rows
   leaving the batch in any order.
-The bf16 arms sample slightly different tokens (their scores round differently): valid tokens are recorded beside the
+Every arm prefills each prompt whole (`share_prefix=False`: the shared prefix came after this comparison, and the
+hand-written caches assume whole prompts), and keeps its KV cache and attention in bf16 (`attn_dtype`), as on the Intel
+with AMX where this ran (the package attends in fp32 on a CPU without AMX). The bf16 arms sample slightly different tokens (their scores round differently): valid tokens are recorded beside the
 seconds, and the time per valid token is the fair comparison. A torch profile of one more generation per arm gives the
 time inside attention's own ops.
 
@@ -42,8 +44,8 @@ def decoders():
             cache.k.zero_(); cache.v.zero_()                     # unwritten positions finite: masked, not NaN
             return cache
 
-        def prefill(self, ids, mask, group_size, room):
-            cache = super().prefill(ids, mask, group_size, room)
+        def prefill(self, ids, mask, group_size, room, share_prefix=False):    # whole prompts: the caches below assume them
+            cache = super().prefill(ids, mask, group_size, room, share_prefix=False)
             cache.bias[..., cache.n:] = float("-inf")            # positions not yet written
             return cache
 
@@ -95,8 +97,8 @@ def decoders():
 
     class Grouped(Matmul):
         "Each prompt's keys once; all rows against all prompts in one matmul per key-value head, then their own keys."
-        def prefill(self, ids, mask, group_size, room):
-            return GroupCache(FusedDecoder.prefill(self, ids, mask, 1, room), *ids.shape, group_size, room)
+        def prefill(self, ids, mask, group_size, room, share_prefix=False):
+            return GroupCache(FusedDecoder.prefill(self, ids, mask, 1, room, share_prefix=False), *ids.shape, group_size, room)
 
         def decode(self, ids, pos, cache):
             cache.bias[:, cache.UP + cache.n] = 0
@@ -126,9 +128,10 @@ def main(argv=None):
     from torch.profiler import profile, ProfilerActivity
     from mmrgrpo.fused_decode import FusedBackend
     c, model, tok, prompts, seed = bench_inputs(args)
-    backend = FusedBackend(model, tok, c.max_prompt_length, c.share_prompt, copy_dtype=torch.bfloat16)
+    backend = FusedBackend(model, tok, c.max_prompt_length, c.share_prompt, copy_dtype=torch.bfloat16, share_prefix=False,
+                           attn_dtype=torch.bfloat16)
     Matmul, Grouped = decoders()
-    arms = {"sdpa": backend.decoder, "matmul": Matmul(backend.model), "grouped": Grouped(backend.model)}
+    arms = {"sdpa": backend.decoder, "matmul": Matmul(backend.model, torch.bfloat16), "grouped": Grouped(backend.model, torch.bfloat16)}
     repeats, raw = args.repeats or (2 if args.quick else 3), {a: [] for a in arms}
     def generate(arm):
         backend.decoder = arms[arm]

@@ -362,9 +362,9 @@ def _fields():
     return _FIELDS
 
 def parse_overrides(pairs) -> dict:
-    "Turn ['steps=5', 'mmr=true'] into {'steps': 5, 'mmr': True}."
+    "Turn ['steps=5', 'mmr=true'] into {'steps': 5, 'mmr': True}; None or one string (`'steps=5'`) are taken too."
     out = {}
-    for p in pairs:
+    for p in [pairs] if isinstance(pairs, str) else pairs or ():
         if "=" not in p or not p.split("=", 1)[0].strip(): raise ConfigError(f"override {p!r} is not key=value (e.g. steps=5)")
         k, v = p.split("=", 1)
         out[k.strip()] = read_yaml(v, f"override {p!r}", ConfigError) if v.strip() else None

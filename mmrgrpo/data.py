@@ -245,7 +245,7 @@ def _arithmetic_level(source: str) -> int:
 
 # %% ../nbs/11_data.ipynb #f8e0d737
 def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset
-               split: str = "train",              # dataset split (arithmetic: 'train' or any other name for the held-out seed)
+               split: str = "train",              # dataset split (arithmetic: 'train', or 'test'/'validation'/'eval' for the held-out seed)
                *,
                limit: Optional[int] = None,       # at most this many records (reading stops there); required for arithmetic
                skip_bad_rows: bool = False,       # skip and count bad rows instead of raising DataError
@@ -257,11 +257,13 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
               ):
     "Load validated task records (`question`, `answer`, other fields kept) from any supported source."
     if limit is not None and limit < 1: raise ValueError(f"limit={limit}: use a positive number or None")
+    if isinstance(source, os.PathLike): source = os.fspath(source)       # a pathlib.Path is a path too
     if _is_arithmetic(source):
         level = _arithmetic_level(source)
         if limit is None:
             raise DataError(f"task {source!r}: arithmetic tasks are endless; pass limit= (how many), "
                             "or draw training prompts from ArithmeticStream with tasks_for_step")
+        if split not in ("train", "test", "validation", "eval"): raise DataError(f"{source} has no {split!r} split: use 'train' or 'test'")
         records, skipped = arithmetic_tasks(limit, level, TRAIN_SEED if split == "train" else EVAL_SEED), 0
     elif source in KNOWN_DATASETS:
         spec = KNOWN_DATASETS[source]

@@ -18,6 +18,12 @@ def per_token_loss(logp: torch.Tensor,                 # (N, T) current policy, 
                    beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
                    is_weights: torch.Tensor = None):   # (N, T) importance weights on the policy-gradient term (None: 1)
     "Clipped-surrogate + k3-KL loss per token, and per-token `clipped` (bool) and `kl` tensors for metrics."
+    if not (beta >= 0 and 0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"beta={beta}, eps_low={eps_low}, eps_high={eps_high}: beta >= 0; eps_low in [0, 1) and eps_high >= 0 "
+                         "are the clip range's widths below and above 1 (e.g. 0.2 and 0.28), not its bounds")
+    if advantages.shape not in ((logp.shape[0],), logp.shape) or (is_weights is not None and is_weights.shape != logp.shape):
+        raise ValueError(f"advantages {tuple(advantages.shape)}, is_weights {tuple(getattr(is_weights, 'shape', ()))} for log-probs "
+                         f"{tuple(logp.shape)}: advantages are (N,) or (N, T), importance weights (N, T)")
     A = advantages[:, None] if advantages.dim() == 1 else advantages
     ratio = (logp - logp_old.detach()).exp()
     unclipped, clipped = ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import torch
 
-from .advantages import as_values, group_view
+from .advantages import as_values, check_finite, group_view
 from .safety import exact_rate, pruned_count, allocated_prompts   # built first: the config checks a run's batch with them
 
 # %% ../nbs/21_pruning.ipynb #2a8a9850
@@ -37,7 +37,9 @@ def keep_mask(advantages: torch.Tensor,  # (B*G,) advantages, ordered group by g
     if scope not in ("group", "batch"):
         raise ValueError(f"scope={scope!r}: use 'group' (default) or 'batch' (the reference code's allocation mode)")
     if mode not in PRUNE_MODES: raise ValueError(f"mode={mode!r}: use one of {PRUNE_MODES}")
-    a = group_view(as_values(advantages, "advantages").detach().float().abs(), group_size)     # (B, G)
+    advantages = as_values(advantages, "advantages")
+    check_finite(advantages, "advantages")                             # a NaN would sort first and be kept
+    a = group_view(advantages.detach().float().abs(), group_size)     # (B, G)
     if scope == "batch": a = a.reshape(1, -1)                          # (1, B*G)
     if mode == "largest": a = -a                                       # keep the smallest |A|
     if mode == "random": a = torch.rand(a.shape, generator=generator).to(a.device)

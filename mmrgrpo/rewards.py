@@ -182,7 +182,7 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
         raise ValueError(f"reward weights {bad}: each weight must be a finite number")
     names = [reward_name(f) for f in funcs]
     names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]   # keep metrics of namesakes apart
-    for name, xs in (("prompts", prompts), ("completions", completions)):
+    for name, xs in (("prompts", prompts), ("completions", completions), *columns.items()):
         if isinstance(xs, (str, bytes)): raise TypeError(f"{name} is one string: pass a list, one entry per completion")
     if bad := {k: len(v) for k, v in {"prompts": prompts, **columns}.items() if len(v) != len(completions)}:
         raise ValueError(f"{len(completions)} completions, but {bad}: every list needs one entry per completion")

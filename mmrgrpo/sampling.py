@@ -39,6 +39,9 @@ class Rollout:
 
     def select(self, keep: torch.Tensor) -> "Rollout":
         "The rows where the boolean `keep` (N,) is set, padding trimmed; rows keep their group ids (`group_size`: the kept count when every group keeps the same, else 0)."
+        if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (len(self.completions),)):
+            raise TypeError(f"keep: a bool tensor of one entry per completion ({len(self.completions)}) is expected, not "
+                            f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}: e.g. advantages != 0")
         idx = keep.nonzero().flatten().tolist()
         ids = self.group_ids[keep.to(self.group_ids.device)]
         sizes = torch.unique_consecutive(ids, return_counts=True)[1]
@@ -89,6 +92,8 @@ def sample_tokens(logits: torch.Tensor,           # (N, V) next-token logits
                   block: int = 1024,               # tokens per block of the two-level search
                  ) -> torch.Tensor:                # (N,) sampled token ids
     "One token per row from softmax(logits / temperature) (restricted to the top-p nucleus), by inverse-CDF sampling in two levels."
+    if not temperature > 0: raise ValueError(f"temperature={temperature}: must be > 0 (for the most likely token, decode greedily)")
+    if not 0 < top_p <= 1: raise ValueError(f"top_p={top_p}: the nucleus's probability must be in (0, 1]; 1 keeps every token")
     z = logits.float()
     p = torch.softmax(z if temperature == 1.0 else z / temperature, -1)
     if top_p < 1.0:
@@ -99,6 +104,9 @@ def sample_tokens(logits: torch.Tensor,           # (N, V) next-token logits
     if u is None: u = torch.rand(N, 1, generator=generator, device=p.device, dtype=torch.float64)
     blocks = torch.nn.functional.pad(p, (0, -V % block)).view(N, -1, block)       # (N, nb, block), zeros past the vocabulary
     cdf = blocks.sum(-1).double().cumsum(-1)                 # (N, nb) probability up to the end of each block
+    if not torch.isfinite(cdf[:, -1]).all():                 # a NaN or +inf logit, or a row of -inf: no distribution to draw from
+        raise ValueError(f"logits of row(s) {(~torch.isfinite(cdf[:, -1])).nonzero().flatten().tolist()[:8]} hold NaN or inf "
+                         "(or are all -inf): the model's numbers blew up; nothing can be sampled from them")
     target = u.to(cdf) * cdf[:, -1:]
     b = torch.minimum(torch.searchsorted(cdf, target, right=True), last_step(cdf))    # (N, 1) the block the draw falls in
     rest = target - torch.where(b > 0, cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)

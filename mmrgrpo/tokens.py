@@ -11,7 +11,7 @@ __all__ = ['SELECTORS', 'policy_grad_coef', 'gmts_scores', 'logit_grad_scores', 
 # %% ../nbs/22_tokens.ipynb #cf7bb767
 import torch
 
-from .advantages import as_group_ids
+from .advantages import as_group_ids, check_finite
 from .safety import exact_rate
 
 # %% ../nbs/22_tokens.ipynb #6715c1d2
@@ -114,6 +114,7 @@ def select_tokens(scores: torch.Tensor,           # (N, T) token scores (>= 0), 
     if completion_mask.shape != scores.shape:
         raise ValueError(f"completion_mask {tuple(completion_mask.shape)} and scores {tuple(scores.shape)}: one mask entry per score")
     ids = as_group_ids(groups, N, scores.device)
+    check_finite(scores.detach()[completion_mask.bool()], "token scores")   # a NaN would take a kept slot
     if keep_ratio == 1 and not inverse: return completion_mask.bool().clone()   # every token: the plain loss
     if scope == "batch": ids = torch.zeros_like(ids)
     valid = completion_mask.bool()

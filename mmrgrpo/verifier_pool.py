@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/verifier_pool.html.md"""
 
 # %% auto #0
 __all__ = ['BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'shutdown_verifier', 'verify_batch', 'check_golds', 'accuracy_reward',
-           'cosine_reward', 'get_reward_funcs']
+           'gold_list', 'cosine_reward', 'get_reward_funcs']
 
 # %% ../nbs/10a_verifier_pool.ipynb #f2012935
 import atexit, importlib, os, pickle, signal, subprocess, sys, threading, time
@@ -173,7 +173,12 @@ def check_golds(golds: list, timeout: float = 2.0) -> list[str | None]:
 @has_own_time_limit
 def accuracy_reward(prompts, completions, answer, reward_timeout: float = 2.0, **kwargs) -> list[float]:
     "1.0 when a completion's final answer equals its gold `answer` (a dataset column) by math-verify, else 0.0."
-    return verify_batch(list(answer), [_as_text(c) for c in completions], timeout=reward_timeout)
+    return verify_batch(gold_list(answer), [_as_text(c) for c in completions], timeout=reward_timeout)
+
+def gold_list(answer) -> list:
+    "The `answer` column as a list, one gold per completion; one string would be read a character at a time."
+    if isinstance(answer, (str, bytes)): raise TypeError(f"answer={answer!r} is one string: pass a list, one gold answer per completion")
+    return list(answer)
 
 # %% ../nbs/10a_verifier_pool.ipynb #890b4dad
 @has_own_time_limit
@@ -184,7 +189,7 @@ def cosine_reward(prompts, completions, answer, reward_timeout: float = 2.0,
                   **kwargs) -> list[float]:
     "Accuracy scaled by length (MMR-GRPO / open-r1's cosine reward): short correct answers score most, long wrong ones least."
     texts = [_as_text(c) for c in completions]
-    right = verify_batch(list(answer), texts, timeout=reward_timeout)
+    right = verify_batch(gold_list(answer), texts, timeout=reward_timeout)
     return [length_scaled(ok, len(t), max_len, correct, wrong) for ok, t in zip(right, texts)]
 
 # %% ../nbs/10a_verifier_pool.ipynb #5ddb7efb

@@ -145,3 +145,38 @@ def test_lists_work_as_tensors_and_what_is_no_number_is_named():
     with pytest.raises(TypeError, match="completions is one string"): compute_rewards([format_reward], None, ["p"] * 3, "abc", {})
     with pytest.raises(ValueError, match="one entry per completion"): compute_rewards([format_reward], None, ["p", "q"], ["c"], {})
     with pytest.raises(ValueError, match="max_len=0"): length_scaled(True, 5, max_len=0)
+
+
+def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
+    "Found by a second round of careless calls: each returned a plausible number (often token 0, end-of-text) without a word."
+    from mmrgrpo.data import DataError, load_tasks
+    from mmrgrpo.pruning import keep_mask
+    from mmrgrpo.rewards import compute_rewards
+    from mmrgrpo.sampling import Rollout, sample_tokens
+    from mmrgrpo.tokens import select_tokens
+    from mmrgrpo.verifier_pool import accuracy_reward
+    logits = torch.randn(3, 100)
+    with pytest.raises(ValueError, match="temperature=0"): sample_tokens(logits, 0.0)            # was token 0 on every row
+    with pytest.raises(ValueError, match="top_p=0"): sample_tokens(logits, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] hold NaN"): sample_tokens(torch.tensor([[1., math.nan, 3.]]))
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\]"): sample_tokens(torch.full((2, 4), -math.inf).index_fill(0, torch.tensor([1]), 0.))
+    assert sample_tokens(torch.tensor([[0., 50., 0.]]), 1.0, 1.0).item() == 1                  # a finite row still samples
+    r = Rollout(["p0", "p0", "p1", "p1"], [f"c{i}" for i in range(4)], torch.ones(4, 3, dtype=torch.long),
+                torch.ones(4, 3, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), 2)
+    with pytest.raises(TypeError, match="keep: a bool tensor"): r.select(torch.tensor([1, 0, 1, 0]))   # texts and ids disagreed
+    assert r.select(torch.tensor([True, False, True, False])).completions == ["c0", "c2"]
+    with pytest.raises(TypeError, match="one string"): accuracy_reward(["q", "q"], ["\\boxed{12}"] * 2, "12")    # golds "1" and "2"
+    with pytest.raises(TypeError, match="answer is one string"):
+        compute_rewards([accuracy_reward], None, ["q", "q"], ["\\boxed{12}"] * 2, {"answer": "12"})
+    with pytest.raises(DataError, match="no 'Train' split"): load_tasks("arithmetic:1", "Train", limit=3)      # was the test set
+    assert load_tasks("arithmetic:1", "validation", limit=3) == load_tasks("arithmetic:1", "test", limit=3)
+    (tmp_path / "t.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
+    assert load_tasks(tmp_path / "t.jsonl")[0]["answer"] == "2"                  # a pathlib.Path is a path
+    lp = -torch.rand(3, 3)
+    with pytest.raises(ValueError, match="advantages are"): per_token_loss(lp, lp + .1, torch.tensor([[1., 0., -1.]]))
+    with pytest.raises(ValueError, match="not its bounds"): per_token_loss(lp, lp, torch.ones(3), eps_low=-0.2)   # inverted the clip range
+    with pytest.raises(ValueError, match="beta=-0.1"): per_token_loss(lp, lp, torch.ones(3), logp_ref=lp, beta=-0.1)
+    scores = torch.tensor([[math.nan, math.nan, .9, .3], [.2, .8, 0., .4]])
+    with pytest.raises(ValueError, match="token scores hold 2"): select_tokens(scores, torch.ones(2, 4), 2, 0.25)
+    assert select_tokens(scores, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, 0.5).sum() == 3     # NaN at padding: fine
+    with pytest.raises(ValueError, match="advantages hold 1"): keep_mask(torch.tensor([math.nan, 1., 0., -1.]), 4, 0.5)

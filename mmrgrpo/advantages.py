@@ -44,8 +44,8 @@ def as_group_ids(groups,        # G (int: every group has G rows) or a (N,) tens
     if isinstance(groups, torch.Tensor):
         if groups.shape != (n,): raise ValueError(f"group ids of shape {tuple(groups.shape)} for {n} rows: pass one id per row")
         return groups.long().to(device if device is not None else groups.device)
-    if groups < 1 or n % groups:
-        raise ValueError(f"{n} rows cannot be split into groups of {groups}: pass each row's group id instead")
+    groups = whole_group_size(groups)
+    if n % groups: raise ValueError(f"{n} rows cannot be split into groups of {groups}: pass each row's group id instead")
     return torch.arange(n, device=device) // groups
 
 def group_runs(group_ids: torch.Tensor,  # (N,) group id of every row; a group's rows are next to each other

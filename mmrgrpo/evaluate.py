@@ -24,6 +24,7 @@ def evaluate(backend, prompts: list, answers: list,
              seed: int = 1234, progress: bool = False) -> dict:
     "Held-out metrics: `eval/accuracy` (greedy), `eval/format`, `eval/pass@1` (n samples), `eval/completion_length`, `eval/time`; `eval/correct`: 0/1 per task (greedy)."
     if len(prompts) != len(answers): raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    if not prompts: raise ValueError("no tasks to evaluate: pass at least one prompt and its answer")
     t0, out = time.perf_counter(), {}
     def run(n, greedy_):
         acc, fmt, lens = [], [], []

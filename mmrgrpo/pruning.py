@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import torch
 
-from .advantages import as_values, check_finite, group_view
+from .advantages import as_values, check_finite, group_view, whole_group_size
 from .safety import exact_rate, pruned_count, allocated_prompts   # built first: the config checks a run's batch with them
 
 # %% ../nbs/21_pruning.ipynb #2a8a9850
@@ -20,7 +20,7 @@ def kept_count(group_size: int,  # G, completions per prompt
                prune_rate,       # P in [0, 1): share of each group to prune
               ) -> int:          # k = G - floor(P * G), at least 1 since P < 1
     "How many completions of each group survive pruning (never fewer than asked: the dropped count rounds down)."
-    if group_size < 1: raise ValueError(f"group_size={group_size}: need at least one completion per prompt")
+    group_size = whole_group_size(group_size)
     return group_size - pruned_count(group_size, prune_rate)
 
 # %% ../nbs/21_pruning.ipynb #8e5321af

@@ -9,7 +9,7 @@ __all__ = ['short_repr', 'clip_text', 'slip_of', 'read_yaml', 'read_utf8', 'repl
            'pruned_count', 'allocated_prompts']
 
 # %% ../nbs/00_safety.ipynb #2ca88664
-import contextlib, difflib, os, reprlib, threading
+import contextlib, difflib, math, os, reprlib, threading
 import numpy as np
 from fractions import Fraction
 from pathlib import Path
@@ -103,6 +103,9 @@ def exact_rate(rate) -> Fraction:
     return Fraction(str(np.float32(float(rate))) if short else repr(float(rate))).limit_denominator(10**9)
 
 def _check_prune_rate(prune_rate) -> Fraction:
+    try: number = not isinstance(prune_rate, (bool, str)) and math.isfinite(float(prune_rate))
+    except (TypeError, ValueError, RuntimeError): number = False           # None, a list, a tensor of many
+    if not number: raise ValueError(f"prune_rate={prune_rate!r}: a number in [0, 1), the share of completions to prune (0 = no pruning)")
     P = exact_rate(prune_rate)
     if not 0 <= P < 1:
         raise ValueError(f"prune_rate={prune_rate}: the share of completions to prune must be in [0, 1) (0 = no pruning)")

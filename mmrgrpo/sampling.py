@@ -59,7 +59,8 @@ class Rollout:
 # %% ../nbs/15_sampling.ipynb #4cf2c9d3
 def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
     "(N, T) long mask: 1 up to and including the first token in `eos_ids`, 0 after; all 1 when there is none."
-    is_eos = torch.isin(completion_ids, torch.as_tensor(list(eos_ids), device=completion_ids.device))
+    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)     # one id, or several
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device))
     T = completion_ids.shape[1]
     first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
     return (torch.arange(T, device=completion_ids.device)[None] <= first[:, None]).long()

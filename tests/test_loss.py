@@ -180,3 +180,12 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     with pytest.raises(ValueError, match="token scores hold 2"): select_tokens(scores, torch.ones(2, 4), 2, 0.25)
     assert select_tokens(scores, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, 0.5).sum() == 3     # NaN at padding: fine
     with pytest.raises(ValueError, match="advantages hold 1"): keep_mask(torch.tensor([math.nan, 1., 0., -1.]), 4, 0.5)
+    # and raw errors deep inside that now name the argument (or take the obvious meaning)
+    from mmrgrpo.pruning import kept_count
+    from mmrgrpo.safety import pruned_count
+    from mmrgrpo.sampling import completion_mask
+    for bad in (math.nan, math.inf, None, "0.5", [0.5]):            # was "Invalid literal for Fraction", or float()'s TypeError
+        with pytest.raises(ValueError, match="prune_rate=.*a number in"): pruned_count(10, bad)
+    with pytest.raises(TypeError, match="group_size=2.5"): kept_count(2.5, 0.5)                   # was 1.5 completions
+    with pytest.raises(TypeError, match="group_size=2.0"): select_tokens(torch.rand(4, 3), torch.ones(4, 3), 2.0, 0.5)
+    assert completion_mask(torch.tensor([[5, 2, 7]]), 2).tolist() == [[1, 1, 0]]                    # one end-of-sequence id

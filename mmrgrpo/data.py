@@ -89,7 +89,7 @@ def tasks_for_step(source: Union[ArithmeticStream, list],  # an endless stream o
     "The `n` tasks of step `step`, a pure function of `(source, step, n, seed)` (copies: change them freely)."
     if step < 0 or n < 1: raise ValueError(f"step={step}, n={n}: need step >= 0 and n >= 1")
     if isinstance(source, ArithmeticStream): return source.tasks(step, n, seed)
-    if len(source) == 0: raise DataError("tasks_for_step: the list of tasks is empty")
+    if isinstance(source, (str, dict)) or not len(source): raise DataError(f"tasks_for_step: source={_clip(repr(source))} holds no tasks: pass task_source(task) or a non-empty list of records")
     N = len(source)
     return [dict(source[_epoch_order(N, seed, i // N)[i % N]]) for i in range(step * n, step * n + n)]
 

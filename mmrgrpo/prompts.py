@@ -26,6 +26,8 @@ def format_prompt(tokenizer,                            # any tokenizer with a c
     "The chat prompt for `question`, ending where the assistant's answer starts."
     ask = lambda q: f"{q}\n{instruction}" if instruction else q
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    if not isinstance(question, str) or any(isinstance(s, (str, dict)) or len(s) != 2 for s in shots):
+        raise TypeError(f"question={question!r:.60}, shots={shots!r:.80}: a question is a string, shots a list of (question, answer) pairs")
     for q, a in shots: messages += [{"role": "user", "content": ask(q)}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": ask(question)})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -34,7 +36,8 @@ def format_prompt(tokenizer,                            # any tokenizer with a c
 def check_prompt_lengths(tokenizer, prompts: list, max_prompt_length: int, source: str = "prompts",
                          skip_bad_rows: bool = False) -> list:
     "Indices of the prompts that fit in `max_prompt_length` tokens; a longer one (row = its 1-based position) is a DataError."
-    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    if isinstance(prompts, str): raise TypeError(f"prompts={prompts!r:.60} is one string: pass a list of prompts")
+    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]] if len(prompts) else []
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
     if too_long and not skip_bad_rows:
         i = too_long[0]

@@ -189,3 +189,11 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     with pytest.raises(TypeError, match="group_size=2.5"): kept_count(2.5, 0.5)                   # was 1.5 completions
     with pytest.raises(TypeError, match="group_size=2.0"): select_tokens(torch.rand(4, 3), torch.ones(4, 3), 2.0, 0.5)
     assert completion_mask(torch.tensor([[5, 2, 7]]), 2).tolist() == [[1, 1, 0]]                    # one end-of-sequence id
+    from mmrgrpo.data import tasks_for_step
+    from mmrgrpo.models import load_tokenizer, resolve_model
+    from mmrgrpo.prompts import check_prompt_lengths, format_prompt
+    tok = load_tokenizer(resolve_model("smollm2"))
+    with pytest.raises(DataError, match="pass task_source"): tasks_for_step("arithmetic:1", 0, 2)   # was a dict-update error
+    with pytest.raises(TypeError, match="shots a list of"): format_prompt(tok, "Q", shots=[{"question": "a", "answer": "b"}])
+    with pytest.raises(TypeError, match="one string"): check_prompt_lengths(tok, "abc def", 1)       # one index per character
+    assert check_prompt_lengths(tok, [], 2) == []

@@ -41,8 +41,10 @@ def as_group_ids(groups,        # G (int: every group has G rows) or a (N,) tens
                  device=None,
                 ) -> torch.Tensor:  # (N,) long group id of every row
     "Each row's group (prompt) id. After batch-scope pruning groups differ in size, so ids, not a size, say who is whose sibling."
+    if isinstance(groups, (list, tuple)): groups = torch.tensor(groups)   # ids typed as a list
     if isinstance(groups, torch.Tensor):
-        if groups.shape != (n,): raise ValueError(f"group ids of shape {tuple(groups.shape)} for {n} rows: pass one id per row")
+        if groups.shape != (n,) or (n and groups.min() < 0):
+            raise ValueError(f"group ids of shape {tuple(groups.shape)} for {n} rows: pass one id >= 0 per row")
         return groups.long().to(device if device is not None else groups.device)
     groups = whole_group_size(groups)
     if n % groups: raise ValueError(f"{n} rows cannot be split into groups of {groups}: pass each row's group id instead")

@@ -45,6 +45,7 @@ def loss_weights(mask: torch.Tensor,      # (N, T) 1 for completion tokens, 0 fo
                 ) -> torch.Tensor:        # (N,) weight of each completion's tokens in the aggregated loss, constants dropped
     "How much one token of each completion counts in the loss: 1/|o_i| for grpo (a per-completion mean), 1 for dr_grpo and dapo."
     if loss_type not in LOSS_TYPES: raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    if mask.dim() != 2: raise ValueError(f"mask of shape {tuple(mask.shape)}: a (N, T) mask of completion tokens (not their lengths)")
     if loss_type == "grpo": return 1.0 / mask.float().sum(-1).clamp(min=1)
     return torch.ones(mask.shape[0], device=mask.device)
 

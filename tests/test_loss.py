@@ -197,3 +197,8 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     with pytest.raises(TypeError, match="shots a list of"): format_prompt(tok, "Q", shots=[{"question": "a", "answer": "b"}])
     with pytest.raises(TypeError, match="one string"): check_prompt_lengths(tok, "abc def", 1)       # one index per character
     assert check_prompt_lengths(tok, [], 2) == []
+    from mmrgrpo.loss import loss_weights
+    assert torch.equal(select_tokens(scores.nan_to_num(), torch.ones(2, 4), [0, 1], 0.5),      # group ids typed as a list
+                       select_tokens(scores.nan_to_num(), torch.ones(2, 4), torch.tensor([0, 1]), 0.5))
+    with pytest.raises(ValueError, match="one id >= 0 per row"): select_tokens(torch.rand(2, 4), torch.ones(2, 4), torch.tensor([0, -1]), 0.5)
+    with pytest.raises(ValueError, match="not their lengths"): loss_weights(torch.tensor([2, 0, 3]))   # was tensor(0.2)

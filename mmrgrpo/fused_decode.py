@@ -12,7 +12,7 @@ __all__ = ['FUSED_LAYERS', 'PACK_ROWS', 'PREFIX_MIN_SAVED', 'fused_support', 'fu
 # %% ../nbs/31a_fused_decode.ipynb #b50b5500
 import torch
 import torch.nn.functional as F
-from .models import cpu_flags
+from .models import cpu_support
 from .sampler_copy import CopyBackend
 from .sampling import prompt_rows
 
@@ -51,8 +51,8 @@ def fuse_linears(linears: list) -> tuple:
 PACK_ROWS = 64      # the batch size oneDNN's blocked layout is chosen for (the most rows a step decodes in the bench config)
 
 def can_pack(weight: torch.Tensor) -> bool:
-    "Whether oneDNN can keep `weight` in its blocked layout for matmuls: bf16 on a CPU."
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    "Whether oneDNN can keep `weight` in its blocked layout for matmuls: bf16, on a CPU whose `cpu_support` allows it."
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_support().onednn_bf16
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ class StaticCache:
 # %% ../nbs/31a_fused_decode.ipynb #8666a690
 def attention_dtype(dtype: torch.dtype, device="cpu") -> torch.dtype:
     "The dtype the decoder keeps its KV cache and attends in: fp32 for bf16 weights on a CPU without AMX (`amx_bf16`), where torch's bf16 attention at one query per row is several times slower than its fp32 one; else the weights' dtype."
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "amx_bf16" not in cpu_flags(): return torch.float32
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_support().amx: return torch.float32
     return dtype
 
 # %% ../nbs/31a_fused_decode.ipynb #14833b28

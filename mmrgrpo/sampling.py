@@ -9,7 +9,7 @@ __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 
            'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'prompt_rows', 'HFBackend']
 
 # %% ../nbs/15_sampling.ipynb #3e34fd79
-import inspect
+import dataclasses, inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
@@ -31,6 +31,12 @@ class Rollout:
 
     def __post_init__(self):
         if self.group_ids is None: self.group_ids = torch.arange(len(self.completions)) // max(self.group_size, 1)
+
+    def to(self, device) -> "Rollout":
+        "The same rollout with its tensors on `device` (itself where they are there already)."
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "group_ids", "sampler_logprobs")
+        moved = {n: getattr(self, n).to(device) for n in names if getattr(self, n) is not None}
+        return self if all(moved[n] is getattr(self, n) for n in moved) else dataclasses.replace(self, **moved)
 
     @property
     def truncated(self) -> torch.Tensor:

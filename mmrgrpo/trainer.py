@@ -72,6 +72,8 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
         rollout = tools.backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
     with phases("reward"):
         rewards, metrics = score(rollout, records, tools.reward_funcs, c)
+    device = next(tools.model.parameters()).device      # from here on one device, the policy's: the sampler (vLLM) and the
+    rollout, rewards = rollout.to(device), rewards.to(device)   # reward functions hand their results over on the CPU
     advantages, reweight_metrics = advantages_for(rewards, rollout, c, tools.embedder, phases)
     kept, kept_advantages, prune_metrics = prune(rollout, advantages, c, seed=seed)
     update_metrics = update(tools.model, tools.optimizer, kept, kept_advantages, c, tools.ref_model, phases, counter,

@@ -50,3 +50,13 @@ def no_model(monkeypatch):
     import mmrgrpo.trainer as T
     monkeypatch.setattr(T, "load_policy", loaded)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+
+
+def cpu_with(flags) -> "CPUSupport":
+    "The `CPUSupport` of a CPU with these /proc/cpuinfo-style flags (avx512_bf16, amx_bf16, avx512bw), to fake the hardware."
+    from mmrgrpo.models import CPUSupport
+    flags = set(flags)
+    bf16, amx = bool(flags & {"avx512_bf16", "amx_bf16"}), "amx_bf16" in flags
+    units = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return CPUSupport(bf16, amx, bf16 or "avx512bw" in flags,
+                      f"CPU with {', '.join(units)}" if units else "CPU without avx512_bf16/amx")

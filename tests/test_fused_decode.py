@@ -6,7 +6,7 @@ import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.fused_decode import FusedBackend, FusedDecoder, PREFIX_MIN_SAVED, fused_support, pack, linear, shared_prefix
 from mmrgrpo.logprobs import completion_stats
-from mmrgrpo.models import add_lora, tiny_random_model
+from mmrgrpo.models import add_lora, cpu_support, tiny_random_model
 from mmrgrpo.sampler_copy import CopyBackend
 from mmrgrpo.sampling import HFBackend
 from mmrgrpo.config import GRPOConfig
@@ -111,6 +111,7 @@ def test_bf16_copy_is_close(tokenizer):
 def test_packed_weights_multiply_like_plain_ones():
     w, x = torch.randn(96, 32).bfloat16(), torch.randn(5, 32).bfloat16()
     assert torch.equal(linear(x, pack(w)), torch.nn.functional.linear(x, w))
+    assert pack(w).is_mkldnn == cpu_support().onednn_bf16                # packed only where torch says oneDNN's bf16 runs
     assert not pack(w.float()).is_mkldnn                              # fp32 weights stay as they are
 
 

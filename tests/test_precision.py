@@ -1,12 +1,13 @@
 """Precision: one helper (`choose_dtype`) decides the weights' dtype and the update's autocast from the hardware, for the trainer,
 the models and the vLLM backend; CPU flags and CUDA capabilities are faked. Also: activation checkpointing is non-reentrant
 under QLoRA as under 16-bit weights, and no deprecated transformers names are called."""
-import warnings
+import os, warnings
 from pathlib import Path
 import pytest, torch
 from mmrgrpo import models
 from mmrgrpo.config import ConfigError, load_config
-from mmrgrpo.models import Precision, autocast, choose_dtype, cpu_flags, load_policy
+from mmrgrpo.models import AVX2_CPU, Precision, autocast, choose_dtype, cpu_flags, cpu_support, load_policy
+from conftest import cpu_with
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -15,7 +16,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 def hardware(monkeypatch):
     "Fake the CPU's flags and the GPU's compute capability: hardware(flags=..., capability=..., cuda=whether a GPU is visible)."
     def set_(flags=(), capability=(8, 0), cuda=False):
-        monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(models, "cpu_support", lambda: cpu_with(flags))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)    # what a T4 answers: emulation counts
         if cuda: monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # (bitsandbytes must be imported already)
@@ -73,6 +74,47 @@ def test_cpu_flags_reads_this_machine():
     info = Path("/proc/cpuinfo")
     lines = [l for l in info.read_text().splitlines() if l.startswith("flags")] if info.exists() else []
     assert cpu_flags() == (frozenset(lines[0].split(":", 1)[1].split()) if lines else frozenset())
+
+
+def test_cpu_support_asks_torch(monkeypatch):
+    "The fast paths follow torch's own capability queries, not /proc/cpuinfo alone."
+    monkeypatch.delenv("MMRGRPO_CPU", raising=False)
+    models.cpu_support.cache_clear()
+    try:
+        here = cpu_support()
+        assert here.bf16 == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        assert here.onednn_bf16 == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert not models.native_cpu_support().bf16
+        monkeypatch.setattr(models.platform, "machine", lambda: "arm64")            # Apple silicon: no oneDNN packing
+        assert not models.native_cpu_support().onednn_bf16
+    finally: models.cpu_support.cache_clear()
+
+
+@pytest.mark.parametrize("value,expected", [("avx2", AVX2_CPU), ("", None), ("native", None), ("avx512", "error")])
+def test_the_cpu_can_be_treated_as_an_avx2_laptop(monkeypatch, value, expected):
+    monkeypatch.setenv("MMRGRPO_CPU", value)
+    models.cpu_support.cache_clear()
+    try:
+        if expected == "error":
+            with pytest.raises(ConfigError, match="MMRGRPO_CPU='avx512': set it to 'avx2'"): cpu_support()
+        else: assert cpu_support() == (expected or models.native_cpu_support())
+    finally: models.cpu_support.cache_clear()
+
+
+def test_treated_as_avx2_the_onednn_bf16_ops_fail_as_there():
+    "With MMRGRPO_CPU=avx2 a bf16 weight reorder fails as on such a CPU, and the package's own paths do not call it."
+    import subprocess, sys
+    code = ("import torch, mmrgrpo.models as m, mmrgrpo.fused_decode as fd\n"
+            "w = torch.randn(64, 64).bfloat16()\n"
+            "assert not fd.can_pack(w) and fd.pack(w) is w and m.choose_dtype('cpu').autocast is None\n"
+            "assert fd.attention_dtype(torch.bfloat16) == torch.float32\n"
+            "try: torch.ops.mkldnn._reorder_linear_weight(w, 64)\n"
+            "except RuntimeError as e: print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MMRGRPO_CPU": "avx2"}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: _reorder_linear_weight: bf16 path needs the cpu support" in out.stdout
 
 
 def test_config_dtype_fields_take_auto_and_explicit_values():

@@ -273,7 +273,8 @@ def test_kv_cache_bytes_by_hand():
 @pytest.mark.parametrize("flags,dtype", [({"avx512_bf16"}, "bfloat16"), ({"avx512f", "avx2"}, "float32")])
 def test_cpu_engine_settings(flags, dtype, monkeypatch):
     from mmrgrpo import models
-    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
+    from conftest import cpu_with
+    monkeypatch.setattr(models, "cpu_support", lambda: cpu_with(flags))
     c = load_config(model="tiny-random", max_prompt_length=8000, max_completion_length=32)
     kw = engine_kwargs(c, "m", lora=True, device="cpu")
     assert kw["dtype"] == dtype and not kw["enable_sleep_mode"] and not kw["enable_chunked_prefill"]

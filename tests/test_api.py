@@ -35,3 +35,13 @@ def test_importing_the_package_loads_no_module_of_its_own():
 def test_an_unknown_name_says_so():
     r = run("import mmrgrpo; mmrgrpo.trian")
     assert "has no attribute 'trian'" in r.stderr
+
+
+def test_the_readme_is_one_page_and_names_no_commit():
+    "README under 10,000 characters, no commit hash; `.ci/run` runs exactly its test command."
+    import re
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) < 10_000, len(readme)
+    assert not re.findall(r"`[0-9a-f]{7,40}`|commit [0-9a-f]{7}", readme)
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    assert blocks[1] in (ROOT / ".ci" / "run").read_text() and "nbdev-test" in blocks[1]

@@ -211,7 +211,7 @@ def main(argv=None):
     from mmrgrpo.config import load_config
     from mmrgrpo.data import task_source, tasks_for_step
     from mmrgrpo.models import load_policy, trainable_parameters
-    from mmrgrpo.verifier_pool import get_reward_funcs
+    from mmrgrpo.rewards import get_reward_funcs
     from mmrgrpo.advantages import group_advantages
     from mmrgrpo.fast_update import keep_freed_memory
     from mmrgrpo.bf16_update import bf16_frozen_base

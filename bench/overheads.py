@@ -46,7 +46,7 @@ def main(argv=None):
     from mmrgrpo.config import load_config, check_config
     from mmrgrpo.data import task_source, tasks_for_step
     from mmrgrpo.models import load_policy, trainable_parameters
-    from mmrgrpo.verifier_pool import get_reward_funcs
+    from mmrgrpo.rewards import get_reward_funcs
     from mmrgrpo.mmr import load_embedder
     from mmrgrpo.advantages import group_advantages, frac_zero_std
     from mmrgrpo.step import micro_batches, packing

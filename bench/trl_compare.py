@@ -81,7 +81,7 @@ def worker_trl(cfg: dict, extra: list) -> dict:
     from mmrgrpo.config import load_config
     from mmrgrpo.models import load_tokenizer
     from mmrgrpo.rewards import format_reward
-    from mmrgrpo.verifier_pool import accuracy_reward
+    from mmrgrpo.rewards import accuracy_reward
     c = load_config(**dict(cfg, output_dir="unused"))
     bl.set_threads(c.threads)
     pa = prompts_and_answers(c)

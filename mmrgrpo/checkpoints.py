@@ -1,4 +1,4 @@
-"""Atomic checkpoints with a manifest, a run's hold on its folder, resume that refuses to mix runs, and stopping on a signal with a save.
+"""Atomic checkpoints with a manifest, a run's hold on its folder, and resume that refuses to mix runs (stopping on a signal is the next lesson, `43_signals`).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 

@@ -1,4 +1,4 @@
-r"""Math tasks as plain records, drawn deterministically step by step, checked when they are loaded, and turned into chat prompts that ask for a `\boxed{}` answer.
+"""Math tasks as plain records, drawn deterministically step by step, and checked when they are loaded: bad rows named with their line and the fix, GSM8K and MATH-500 read, held-out rows kept apart.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 

@@ -12,7 +12,7 @@ import math, time
 import torch
 from tqdm.auto import tqdm
 from .rewards import format_reward
-from .verifier_pool import accuracy_reward
+from .rewards import accuracy_reward
 
 # %% ../nbs/18_evaluate.ipynb #08defeb5
 def evaluate(backend, prompts: list, answers: list,

@@ -175,7 +175,7 @@ def test_trainer_phase_uses_the_credit():
 
 
 def test_cosine_reward_matches_the_formula():
-    from mmrgrpo.verifier_pool import cosine_reward, get_reward_funcs
+    from mmrgrpo.rewards import cosine_reward, get_reward_funcs
     assert get_reward_funcs(["cosine"]) == [cosine_reward]
     texts = ["\\boxed{7}", "\\boxed{8}", "y" * 990 + "\\boxed{7}", "y" * 3000 + "\\boxed{7}"]
     got = cosine_reward(["q"] * 4, texts, ["7"] * 4)

@@ -126,3 +126,14 @@ def test_the_length_rule_can_fail():
     assert long_without_reason(["x = 1"] * 61, 60)
     assert not long_without_reason(["# 70 lines: a dataclass cannot be split"] + ["x = 1"] * 69, 60)
     assert not long_without_reason(["x = 1"] * 60, 60)
+
+
+def test_every_notebook_opens_with_a_summary():
+    "Each notebook's first markdown cell has a title and a `> summary` line that says what the learner will see."
+    missing = []
+    for p in lesson_order() + [NBS / "index.ipynb"]:
+        cells = json.loads(p.read_text())["cells"]
+        first = next(("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"), "")
+        summary = re.search(r"^> (.+)$", first, re.M)
+        if not (first.startswith("# ") and summary and len(summary.group(1).split()) >= 5): missing.append(p.name)
+    assert missing == []

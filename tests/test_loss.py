@@ -154,7 +154,7 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     from mmrgrpo.rewards import compute_rewards
     from mmrgrpo.sampling import Rollout, sample_tokens
     from mmrgrpo.tokens import select_tokens
-    from mmrgrpo.verifier_pool import accuracy_reward
+    from mmrgrpo.rewards import accuracy_reward
     logits = torch.randn(3, 100)
     with pytest.raises(ValueError, match="temperature=0"): sample_tokens(logits, 0.0)            # was token 0 on every row
     with pytest.raises(ValueError, match="top_p=0"): sample_tokens(logits, 1.0, 0.0)

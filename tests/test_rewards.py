@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import mmrgrpo.verifier_pool as V
+import mmrgrpo.rewards as V
 from mmrgrpo.rewards import (RewardFunctionError, compute_rewards, extract_boxed, format_reward, parse_gold, reward_counters,
                              reward_name)
-from mmrgrpo.verifier_pool import accuracy_reward, check_golds, cosine_reward, get_reward_funcs, shutdown_verifier, verify_batch
+from mmrgrpo.rewards import accuracy_reward, check_golds, cosine_reward, get_reward_funcs, shutdown_verifier, verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{9^{9^{9^{9}}}}"                     # SymPy sets out to compute 9^(9^387420489): never finishes
@@ -236,7 +236,7 @@ def _run_child(code: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, **kw)
 
 
-CHILD = "import mmrgrpo.verifier_pool as V; V.verify_batch(['1'], ['1']); print(*[w.proc.pid for w in V._POOL.workers], flush=True)"
+CHILD = "import mmrgrpo.rewards as V; V.verify_batch(['1'], ['1']); print(*[w.proc.pid for w in V._POOL.workers], flush=True)"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -6,11 +6,11 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/safety.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_YAML_VALUES', 'MAX_YAML_DEPTH', 'MAX_FILE_BYTES', 'short_repr', 'clip_text', 'slip_of', 'read_yaml',
-           'read_file_bytes', 'read_utf8', 'replace_file', 'call_with_timeout', 'exact_rate', 'pruned_count',
-           'allocated_prompts']
+           'read_file_bytes', 'read_utf8', 'read_json', 'replace_file', 'call_with_timeout', 'exact_rate',
+           'pruned_count', 'allocated_prompts']
 
 # %% ../nbs/00_safety.ipynb #2ca88664
-import contextlib, difflib, math, os, reprlib, stat, threading
+import contextlib, difflib, json, math, os, reprlib, stat, threading
 import numpy as np
 from fractions import Fraction
 from pathlib import Path
@@ -117,6 +117,13 @@ def read_utf8(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> str:
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise error(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}): re-save it as UTF-8") from None
+
+def read_json(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES):
+    "The value in JSON file `path`, read as `read_utf8` reads it; `error` for bad JSON or JSON nested too deep to read."
+    text = read_utf8(path, error, limit)
+    try: return json.loads(text)
+    except RecursionError: raise error(f"{path} is nested too deep to read: it was altered") from None
+    except ValueError as e: raise error(f"{path} is not valid JSON ({clip_text(str(e))}): it was altered") from None
 
 # %% ../nbs/00_safety.ipynb #f7433ed2
 def replace_file(path, data):

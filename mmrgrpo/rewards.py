@@ -140,6 +140,15 @@ def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
     try: return func(**kwargs), None
     except Exception as e: return None, e
 
+def _in_range(x) -> bool:
+    "A real number within float32's range; an integer too large for a float (2**1100) is not, and raises nothing."
+    try: return isinstance(x, numbers.Real) and abs(float(x)) <= _F32_MAX      # NaN and inf compare False
+    except (OverflowError, TypeError, ValueError): return False
+
+def _quoted(x) -> str:
+    "A returned value for a message: an integer of thousands of digits by its size (repr refuses past 4300)."
+    return f"an integer of {x.bit_length()} bits" if isinstance(x, int) and x.bit_length() > 256 else _clip(repr(x))
+
 def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str, timeout: float = None) -> tuple[list, int]:
     "Call one reward function on copies of its inputs (within `timeout` s per completion) and check its output: its scores (None = not applicable) and how many of them were errors."
     n = len(completions)
@@ -159,11 +168,11 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
         return [0.0] * n, n
     scores, errors = [], 0
     for i, x in enumerate(out):
-        if x is None or (isinstance(x, numbers.Real) and math.isfinite(x) and abs(x) <= _F32_MAX):
+        if x is None or _in_range(x):
             scores.append(None if x is None else float(x))
             continue
         if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} returned {_clip(repr(x))} at index {i}: a reward must be a finite "
+            raise RewardFunctionError(f"reward function {name!r} returned {_quoted(x)} at index {i}: a reward must be a finite "
                                       "number within float32's range (|r| <= 3.4e38), or None when it does not apply")
         scores.append(0.0)
         errors += 1

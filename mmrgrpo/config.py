@@ -387,10 +387,10 @@ def parse_overrides(pairs) -> dict:
     "Turn ['steps=5', 'mmr=true'] into {'steps': 5, 'mmr': True}; None or one string (`'steps=5'`) are taken too."
     out = {}
     for p in [pairs] if isinstance(pairs, str) else pairs or ():
-        if "=" not in p or not p.split("=", 1)[0].strip(): raise ConfigError(f"override {p!r} is not key=value (e.g. steps=5)")
+        if "=" not in p or not p.split("=", 1)[0].strip(): raise ConfigError(f"override {_show(p)} is not key=value (e.g. steps=5)")
         k, v = p.split("=", 1)
-        if k.strip() in out: raise ConfigError(f"override {p!r}: {k.strip()} is given twice on the command line: keep one")
-        out[k.strip()] = read_yaml(v, f"override {p!r}", ConfigError) if v.strip() else None
+        if k.strip() in out: raise ConfigError(f"override {_show(p)}: {k.strip()} is given twice on the command line: keep one")
+        out[k.strip()] = read_yaml(v, f"override {_show(p)}", ConfigError) if v.strip() else None
     return out
 
 def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:

@@ -8,8 +8,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'BEST', 'RUN_FILES', 'LOCK', 'rng_state',
            'set_rng_state', 'checkpoints', 'write_manifest', 'checkpoint_problem', 'latest_checkpoint',
            'save_checkpoint', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError',
-           'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record', 'clear_run',
-           'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
+           'trainer_state', 'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record',
+           'clear_run', 'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
            'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from .config import GRPOConfig, ConfigError, save_config
-from .safety import replace_file
+from .config import GRPOConfig, ConfigError, save_config, read_config_file
+from .safety import replace_file, read_json, short_repr
 from .distributed import dist_info, is_sharded, full_state_dicts, load_full_state_dicts
 
 # %% ../nbs/42_checkpoints.ipynb #1269982b
@@ -69,9 +69,11 @@ def checkpoint_problem(d) -> str:
     if not d.is_dir(): return "it is a file, not a checkpoint folder"
     if run := checkpoints(d): return (f"it is a run's folder, not a checkpoint: name one of its checkpoints ({run[-1]}), or "
                                       f"continue that run with output_dir={str(d)!r} resume_from=latest")
-    try: want = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in json.loads((d / MANIFEST).read_text()).items()}
-    except FileNotFoundError: return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
-    except (OSError, ValueError, TypeError, KeyError, AttributeError): return f"its {MANIFEST} is unreadable"
+    if not os.path.lexists(d / MANIFEST): return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
+    try: listed = read_json(d / MANIFEST)           # not a pipe or a device, not a huge file: refused before reading
+    except ValueError as e: return str(e)
+    try: want = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
+    except (ValueError, TypeError, KeyError, AttributeError): return f"its {MANIFEST} is unreadable"
     if unlisted := [f for f in CHECKPOINT_FILES if f not in want]: return f"its {MANIFEST} does not list {unlisted[0]}"
     for name, (size, digest) in want.items():
         p = d / name
@@ -161,6 +163,15 @@ def save_failed(e: Exception, out: Path, name: str, model, optimizer, final: boo
 class CheckpointError(ConfigError):
     "A checkpoint that cannot be trusted or read; the message names it and what is wrong."
 
+def trainer_state(ck) -> dict:
+    "A checkpoint's trainer_state.json, its `step` a whole number; a `CheckpointError` naming what is wrong otherwise."
+    path = Path(ck) / "trainer_state.json"
+    state = read_json(path, CheckpointError)
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: step={short_repr(step)} is not a step number (the file was altered): use another checkpoint")
+    return state
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
     "Restore weights, optimizer, scheduler and RNG from a checkpoint (checked against its manifest unless `verify=False`); return its trainer state. Only tensors and plain data are loaded: nothing in a checkpoint can run code."
     path = Path(path)
@@ -183,7 +194,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
         if is_sharded(model): load_full_state_dicts(model, optimizer, weights, t["optimizer"])   # a collective
         else: optimizer.load_state_dict(t["optimizer"])
         scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
-        return json.loads((path / "trainer_state.json").read_text())
+        return trainer_state(path)
     except pickle.UnpicklingError:
         raise CheckpointError(f"{path / 'training.pt'} holds objects other than tensors and plain data, which are not loaded "
                               "(unpickling them could run code): it was altered, or written by an older mmrgrpo") from None
@@ -199,7 +210,7 @@ RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completion
 
 def config_changes(ck: Path, c: GRPOConfig) -> dict:
     "{field: (the checkpoint's value, `c`'s)} for each field that differs; a field the checkpoint's config lacks counts as its default."
-    old = yaml.safe_load((Path(ck) / "config.yaml").read_text()) or {}
+    old = read_config_file(Path(ck) / "config.yaml")            # the config loader's guards: no alias bomb, no pipe
     new, default = asdict(c), asdict(GRPOConfig())
     return {k: (old.get(k, default[k]), v) for k, v in new.items() if old.get(k, default[k]) != v}
 
@@ -236,7 +247,7 @@ def best_record(out) -> dict:
     if not d.exists(): return None
     if why := checkpoint_problem(d):
         print(f"WARNING: ignoring {d}: {why}; the next evaluation replaces it", file=sys.stderr); return None
-    return json.loads((d / "trainer_state.json").read_text()).get("best")
+    return trainer_state(d).get("best")
 
 def clear_run(out):
     "Remove a run's files from `out`: checkpoints (half-written ones and best-checkpoint too), metrics, config, plots, summaries, TensorBoard logs."
@@ -335,7 +346,7 @@ def check_resume_into(out: Path, ck: Path):
 
 def check_no_later_checkpoints(out: Path, ck: Path):
     "A verified checkpoint `ck` continues in `out` only if `out` holds no later `checkpoint-<step>` (of the run that went on past it)."
-    step = int(json.loads((ck / "trainer_state.json").read_text())["step"])
+    step = trainer_state(ck)["step"]
     if later := [p.name for p in checkpoints(out) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) > step]:
         raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, which went on to {', '.join(later)}: "
                           "a run continuing there would mix its checkpoints with those (and rotating them would remove its "

@@ -12,7 +12,7 @@ __all__ = ['DEMO', 'MODEL_FIELDS', 'summary_table', 'user_errors', 'option_hint'
 import argparse, json, sys, time
 from dataclasses import asdict, fields
 from pathlib import Path
-from .config import GRPOConfig, ConfigError, load_config, check_config
+from .config import GRPOConfig, ConfigError, load_config, check_config, read_config_file
 from .safety import replace_file
 
 # %% ../nbs/45_cli.ipynb #40c62b88
@@ -77,7 +77,8 @@ def main(argv=None):
     "Entry point of the `mmrgrpo` command: an error a user can fix is one line, `error: ...`, and exit code 2."
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra: parser.error(option_hint(extra))
+    args.overrides += [a for a in extra if not a.startswith("-")]       # key=value after --config too
+    if extra := [a for a in extra if a.startswith("-")]: parser.error(option_hint(extra))
     try: return run_command(args)
     except user_errors() as e:
         print("error: " + "; ".join(l.strip() for l in str(e).splitlines() if l.strip()), file=sys.stderr); return 2
@@ -129,10 +130,10 @@ MODEL_FIELDS = ("model", "gguf_file", "lora", "lora_r", "lora_alpha", "lora_drop
 
 def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
     "`c` with the model and adapter settings the checkpoint was trained with; a setting given on purpose (not the default) that differs is refused, naming it."
-    import dataclasses, yaml
+    import dataclasses
     from mmrgrpo.checkpoints import checkpoint_problem
     if why := checkpoint_problem(checkpoint): raise ConfigError(f"--checkpoint {checkpoint} cannot be used: {why}")
-    saved, default = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}, GRPOConfig()
+    saved, default = read_config_file(checkpoint / "config.yaml"), GRPOConfig()     # the config loader's guards
     theirs = {k: saved.get(k, getattr(default, k)) for k in MODEL_FIELDS}
     clash = [k for k in MODEL_FIELDS if getattr(c, k) != theirs[k] and getattr(c, k) != getattr(default, k)]
     if clash:

@@ -11,7 +11,7 @@ __all__ = ['ARITHMETIC_LEVELS', 'READERS', 'RESERVED_COLUMNS', 'KNOWN_DATASETS',
            'default_shots']
 
 # %% ../nbs/11_data.ipynb #847b2675
-import json, logging, os, random
+import inspect, json, logging, os, random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 from .rewards import _clip, _not_a_gold
 from .safety import slip_of
-from .verifier_pool import check_golds
+from .verifier_pool import check_golds, BUILTIN_REWARDS
 
 _log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ def _read_jsonl(path: Path):
             yield row, _BadRow(f"invalid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}); re-save the file as UTF-8")
             continue
         try: obj = json.loads(text)
+        except RecursionError:
+            yield row, _BadRow("JSON nested too deep to read (a task row holds a question and an answer)")
+            continue
         except ValueError as e:      # bad JSON, or an integer of more than 4300 digits, which Python will not read
             why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else _clip(str(e).split(";")[0])
             yield row, _BadRow(f"invalid JSON ({why}): {text[:60]!r}")
@@ -126,6 +129,7 @@ def _read_json(path: Path):
         line = data[:e.start].count(b"\n") + 1
         raise DataError(f"{path} line {line}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-save the file as UTF-8") from None
     try: obj = json.loads(text)
+    except RecursionError: raise DataError(f"{path}: JSON nested too deep to read (a task row holds a question and an answer)") from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data": yield from _read_jsonl(path); return      # one object per line, named .json
         raise DataError(f"{path} line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
@@ -138,8 +142,10 @@ def _read_json(path: Path):
 
 def _read_parquet(path: Path):
     "Yield (row number, dict) for a parquet file."
-    import pyarrow.parquet as pq
-    rows = pq.read_table(path).to_pylist()
+    import pyarrow as pa, pyarrow.parquet as pq
+    try: rows = pq.read_table(path).to_pylist()
+    except pa.ArrowException as e:
+        raise DataError(f"{path} is not a readable parquet file ({_clip(str(e))}): write it again, or use .jsonl") from None
     if not rows: raise _empty(path)
     yield from enumerate(rows, 1)
 
@@ -151,7 +157,10 @@ def gsm8k_gold(solution: str) -> str:
     if "####" not in solution: raise _BadRow("the GSM8K answer has no '#### <number>' line")
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
-RESERVED_COLUMNS = ("prompts", "completions", "reward_timeout")     # what reward functions are called with besides the columns
+# what reward functions are called with besides the columns: the trainer's arguments and the built-in rewards' own settings
+RESERVED_COLUMNS = tuple(dict.fromkeys(["prompts", "completions", "reward_timeout", *(
+    p.name for f in BUILTIN_REWARDS.values() for p in inspect.signature(f).parameters.values()
+    if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]))
 
 def _to_record(row: dict, question_field: str = "question", answer_field: str = "answer", gold=None) -> dict:
     "A task record from one raw row, its gold answer not yet parsed (see `_collect`); raises _BadRow saying what is wrong."
@@ -160,6 +169,9 @@ def _to_record(row: dict, question_field: str = "question", answer_field: str = 
             which = "question_field" if f == question_field else "answer_field"
             raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); name the fields 'question' and "
                           f"'answer' in the file (the trainer reads those), or pass {which}= to load_tasks")
+    if not isinstance(row[question_field], (str, int, float)) or isinstance(row[question_field], bool):
+        raise _BadRow(f"the question (field {question_field!r}) is a {type(row[question_field]).__name__}, not text: "
+                      "write it as a string; fix the row or pass skip_bad_rows=True")
     question, raw = str(row[question_field]), row[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
     if why := _not_a_gold(raw):              # JSON true would become the text 'True', which parses as a product of symbols

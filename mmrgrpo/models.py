@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 import torch
 from .config import ConfigError, GRPOConfig
-from .safety import slip_of
+from .safety import slip_of, clip_text
 
 # %% ../nbs/13_models.ipynb #2c4c5e6e
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,7 +100,11 @@ def gguf_to_folder(folder, gguf_file: str, out: Path) -> Path:
     if hasattr(model.config, "quantization_config"): del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
-    model.save_pretrained(tmp); tok.save_pretrained(tmp)
+    try: model.save_pretrained(tmp); tok.save_pretrained(tmp)
+    except Exception as e:                   # a full disk: safetensors says SafetensorError, not OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"the converted model cannot be written to {out.parent} ({type(e).__name__}: {clip_text(str(e))}): "
+                          "free space there, or set MMRGRPO_CACHE to a folder with room (the model takes ~4 bytes a weight)") from None
     try: os.rename(tmp, out)
     except OSError: shutil.rmtree(tmp, ignore_errors=True)      # another process converted it first
     return out

@@ -7,8 +7,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 # %% auto #0
 __all__ = ['BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'parse_gold', 'extract_boxed', 'reward_counters', 'count_failures',
            'has_own_time_limit', 'format_reward', 'length_scaled', 'RewardFunctionError', 'reward_name',
-           'compute_rewards', 'shutdown_verifier', 'verify_batch', 'check_golds', 'accuracy_reward', 'gold_list',
-           'cosine_reward', 'get_reward_funcs']
+           'compute_rewards', 'num_workers', 'shutdown_verifier', 'verify_batch', 'check_golds', 'accuracy_reward',
+           'gold_list', 'cosine_reward', 'get_reward_funcs']
 
 # %% ../nbs/10_rewards.ipynb #25eede42
 import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
@@ -143,6 +143,15 @@ def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
     try: return func(**kwargs), None
     except Exception as e: return None, e
 
+def _in_range(x) -> bool:
+    "A real number within float32's range; an integer too large for a float (2**1100) is not, and raises nothing."
+    try: return isinstance(x, numbers.Real) and abs(float(x)) <= _F32_MAX      # NaN and inf compare False
+    except (OverflowError, TypeError, ValueError): return False
+
+def _quoted(x) -> str:
+    "A returned value for a message: an integer of thousands of digits by its size (repr refuses past 4300)."
+    return f"an integer of {x.bit_length()} bits" if isinstance(x, int) and x.bit_length() > 256 else _clip(repr(x))
+
 def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str, timeout: float = None) -> tuple[list, int]:
     "Call one reward function on copies of its inputs (within `timeout` s per completion) and check its output: its scores (None = not applicable) and how many of them were errors."
     n = len(completions)
@@ -162,11 +171,11 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
         return [0.0] * n, n
     scores, errors = [], 0
     for i, x in enumerate(out):
-        if x is None or (isinstance(x, numbers.Real) and math.isfinite(x) and abs(x) <= _F32_MAX):
+        if x is None or _in_range(x):
             scores.append(None if x is None else float(x))
             continue
         if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} returned {_clip(repr(x))} at index {i}: a reward must be a finite "
+            raise RewardFunctionError(f"reward function {name!r} returned {_quoted(x)} at index {i}: a reward must be a finite "
                                       "number within float32's range (|r| <= 3.4e38), or None when it does not apply")
         scores.append(0.0)
         errors += 1
@@ -303,9 +312,13 @@ class _VerifierPool:
 # %% ../nbs/10_rewards.ipynb #07ad6d75
 _POOL, _POOL_LOCK = None, threading.Lock()
 
-def _num_workers() -> int:
-    "MMRGRPO_REWARD_WORKERS, else one worker per available CPU core, at most 8."
-    if os.environ.get("MMRGRPO_REWARD_WORKERS"): return max(1, int(os.environ["MMRGRPO_REWARD_WORKERS"]))
+def num_workers() -> int:
+    "MMRGRPO_REWARD_WORKERS (a whole number 1 to 64), else one worker per available CPU core, at most 8."
+    if v := os.environ.get("MMRGRPO_REWARD_WORKERS", "").strip():
+        if not v.isdigit() or not 1 <= int(v) <= 64:
+            raise ValueError(f"MMRGRPO_REWARD_WORKERS={_clip(v)}: the number of reward verifier processes must be a whole "
+                             "number from 1 to 64: set it so, or unset it (one per CPU core, at most 8)")
+        return int(v)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores))
 
@@ -328,7 +341,7 @@ def _run_in_pool(score_fn, golds: list, completions: list, timeout: float) -> tu
     payloads = [pickle.dumps((score_fn, g, str(c))) for g, c in zip(golds, completions)]
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL.pid != os.getpid(): _POOL = _VerifierPool(_num_workers())
+        if _POOL is None or _POOL.pid != os.getpid(): _POOL = _VerifierPool(num_workers())
         try: return _POOL.run(payloads, timeout)
         except BaseException:               # e.g. Ctrl-C: pairs may still be in flight, so start afresh next time
             _POOL.close()

@@ -6,10 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/verifier_pool.html.md"""
 
 # %% auto #0
 __all__ = ['verify_batch', 'check_golds', 'accuracy_reward', 'gold_list', 'cosine_reward', 'shutdown_verifier', 'BUILTIN_REWARDS',
-           'VERIFIED_REWARDS', 'get_reward_funcs']
+           'VERIFIED_REWARDS', 'get_reward_funcs', 'num_workers']
 
 # %% ../nbs/10a_verifier_pool.ipynb #f2012935
 from .rewards import (verify_batch, check_golds, accuracy_reward, gold_list, cosine_reward, shutdown_verifier,
-                             BUILTIN_REWARDS, VERIFIED_REWARDS, get_reward_funcs)
+                             BUILTIN_REWARDS, VERIFIED_REWARDS, get_reward_funcs, num_workers)
 _all_ = ['verify_batch', 'check_golds', 'accuracy_reward', 'gold_list', 'cosine_reward', 'shutdown_verifier',
-         'BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'get_reward_funcs']
+         'BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'get_reward_funcs', 'num_workers']

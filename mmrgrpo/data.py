@@ -185,6 +185,7 @@ def _to_record(row: dict, question_field: str = "question", answer_field: str = 
     if gold: extra["solution"] = raw
     return {"question": question, "answer": answer, **extra}
 
+# %% ../nbs/11_data.ipynb #a60b035b
 def _next_rows(rows, want: Optional[int], stop_at_bad: bool, **record_kw) -> list:
     "Up to `want` (None: all) well-formed records from `rows` as (row, record) pairs, with the bad rows met on the way as (row, _BadRow)."
     out, good = [], 0

@@ -182,6 +182,7 @@ def cpu_support() -> CPUSupport:
         raise ConfigError(f"{EMULATED_CPU}={wanted!r}: set it to 'avx2' (act as a CPU without AVX-512) or leave it unset")
     return AVX2_CPU if wanted == "avx2" else native_cpu_support()
 
+# %% ../nbs/13_models.ipynb #e843ce25
 def refuse_onednn_bf16():
     "Make oneDNN's bf16 weight ops fail as on a CPU without AVX-512, so that MMRGRPO_CPU=avx2 shows every unguarded call."
     if getattr(torch.ops.mkldnn, "_refused_bf16", False): return
@@ -200,6 +201,7 @@ def refuse_onednn_bf16():
 
 if os.environ.get(EMULATED_CPU) == "avx2": refuse_onednn_bf16()
 
+# %% ../nbs/13_models.ipynb #b5792212
 def half_dtype(device="cpu") -> Optional[torch.dtype]:
     "The 16-bit dtype `device` multiplies fast, or None: bf16 at CUDA capability >= 8.0 or on a CPU with bf16 units, fp16 at 7.x."
     d = torch.device(device)

@@ -95,6 +95,7 @@ def _finite_or_none(v):
     if isinstance(v, dict): return {k: _finite_or_none(x) for k, x in v.items()}
     return v
 
+# %% ../nbs/40_runlog.ipynb #f29831a9
 class MetricsLogger:
     "metrics.jsonl always (one strict-JSON object per line, flushed; NaN/inf as null), plus TensorBoard / trackio / wandb when asked."
     def __init__(self, out: Path, backends=("jsonl",), config: dict = None, resume_step: int = None, enabled: bool = True):

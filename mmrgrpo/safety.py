@@ -89,6 +89,7 @@ def read_yaml(text: str, source: str, error=ValueError):
         raise error(f"{source} is not valid YAML ({e.problem}{where}): fix that line") from None
     except yaml.YAMLError as e: raise error(f"{source} is not valid YAML ({short_repr(str(e))})") from None
 
+# %% ../nbs/00_safety.ipynb #bf0e2da8
 MAX_FILE_BYTES = 1 << 20       # a config, a manifest, a trainer state: a few kilobytes
 
 def _kind(mode: int) -> str:

@@ -71,7 +71,8 @@ def gpu_info() -> dict:
 
 def machine_info() -> dict:
     import torch, transformers
-    return {**gpu_info(), "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {**gpu_info(), "nproc": os.cpu_count(), "affinity": affinity,
             "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(), "python": platform.python_version(), "hostname": platform.node(),
@@ -258,7 +259,7 @@ def run_worker(script, spec: dict) -> dict:
 
 
 def serve_worker(spec_path, out_path, handlers: dict):
-    "The worker side of `run_worker`: call `handlers[arm](**rest of the spec)`, add the process's peak memory, write JSON."
+    "The worker side of `run_worker`: call `handlers[arm](**the spec's other keys)`, add peak memory, write JSON."
     spec = json.loads(Path(spec_path).read_text())
     arm = spec.pop("arm")
     r = handlers[arm](**spec)

@@ -1,30 +1,34 @@
-"""Ours against TRL 1.16's GRPOTrainer on one device (a lent GPU, or this CPU): same model, same work, one run (issue 47).
+"""Ours against TRL 1.16's GRPOTrainer on one device (a lent GPU or this CPU): same model, same work, one run, issue 47.
 
-Each arm (ours, TRL) runs in a process of its own, the arms alternating, with trl_compare.py's shared settings (LoRA r=16,
-alpha 32, dropout 0 on q/k/v/o/gate/up/down; G=8 completions x 8 prompts in one forward/backward pass; temperature 1; loss
-grpo, eps 0.2, group-scaled advantages; AdamW lr 1e-4; no gradient checkpointing; the same prompts in the same order), but:
-beta 0 (no reference pass) and bf16 (both load the base weights in bf16; ours trains under bf16 autocast and samples with
-its default copy, `sampler_dtype=auto`; TRL runs with bf16=True). Two workloads, as issue 47 measured TRL on an H200:
-- `smollm2`: SmolLM2-135M-Instruct (the embedded model), arithmetic level 2, 128 new tokens, rewards accuracy + 0.2 format.
-- `qwen1.5b`: random weights of Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, untied head:
-  1.39 B parameters) with SmolLM2's vocabulary and tokenizer, built on the device in a process of its own and saved in bf16
-  to a temporary folder beside the result (removed at the end). 256 new tokens and every completion runs to the limit: the
-  weights are edited so that no stop token can be drawn (`never_ends`), for both trainers alike. The reward is a hash of
-  the completion's text (`distinct_reward`), so its values differ inside every group and neither trainer can skip work.
+Each arm (ours, TRL) runs in a process of its own, the arms alternating, with trl_compare.py's shared settings (LoRA
+r=16, alpha 32, dropout 0 on q/k/v/o/gate/up/down; G=8 completions x 8 prompts in one forward/backward pass;
+temperature 1; loss grpo, eps 0.2, group-scaled advantages; AdamW lr 1e-4; no gradient checkpointing; the same prompts
+in the same order), but: beta 0 (no reference pass) and bf16 (both load the base weights in bf16; ours trains under
+bf16 autocast and samples with its default copy, `sampler_dtype=auto`; TRL runs with bf16=True). Two workloads, as
+issue 47 measured TRL on an H200:
+- `smollm2`: SmolLM2-135M-Instruct (the embedded model), arithmetic level 2, 128 new tokens, rewards accuracy + 0.2
+  format.
+- `qwen1.5b`: random weights of Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, untied
+  head: 1.39 B parameters) with SmolLM2's vocabulary and tokenizer, built on the device in a process of its own and
+  saved in bf16 to a temporary folder beside the result (removed at the end). 256 new tokens and every completion runs
+  to the limit: the weights are edited so that no stop token can be drawn (`never_ends`), for both trainers alike. The
+  reward is a hash of the completion's text (`distinct_reward`), so its values differ inside every group and neither
+  trainer can skip work.
 
 Measured per arm, over steps 2..n (step 1 warms up): step time (median); peak memory (CUDA: the arm process's
-`torch.cuda.max_memory_allocated`; CPU: its peak RSS); time per sampled token (sampling seconds / completion tokens sampled;
-ours: `time/generate`, TRL: its `_generate`); update seconds (the step minus sampling, rewards and advantages; ours:
-`time/step - time/generate - time/reward`, TRL: the step minus its `_generate_and_score_completions`); and the update's
-share of the bf16 peak: nominal update FLOPs / update seconds / the bf16 matmul rate measured in the same run on the same
-device (a square bf16 matmul in a process of its own). The nominal FLOPs are the same count for both arms, for LoRA on a
-frozen base: 4 x base linear weights x tokens through the body (forward 2, backward to the inputs 2; the frozen base has no
-weight gradients; full training would be 6) + 4 x head weights x completion tokens; tokens are every row's prompt and
-completion (no credit for prompt sharing); attention scores and the adapters' own FLOPs are left out.
+`torch.cuda.max_memory_allocated`; CPU: its peak RSS); time per sampled token (sampling seconds / completion tokens
+sampled; ours: `time/generate`, TRL: its `_generate`); update seconds (the step minus sampling, rewards and advantages;
+ours: `time/step - time/generate - time/reward`, TRL: the step minus its `_generate_and_score_completions`); and the
+update's share of the bf16 peak: nominal update FLOPs / update seconds / the bf16 matmul rate measured in the same run
+on the same device (a square bf16 matmul, in the process that builds the models, before them). The nominal FLOPs are
+the same count for both arms, for LoRA on a frozen base: 4 x base linear weights x tokens through the body (forward 2,
+backward to the inputs 2; the frozen base has no weight gradients; full training would be 6) + 4 x head weights x
+completion tokens; tokens are every row's prompt and completion (no credit for prompt sharing); attention scores and
+the adapters' own FLOPs are left out.
 
     pip install trl==1.16.0                        # benchmark-only extra (`.[bench]`)
     python bench/gpu_compare.py --device cuda --out bench/results/gpu_compare_h200.json   # a lent GPU
-    python bench/gpu_compare.py --tiny             # both workloads on tiny random models, 2 steps, CPU: about 1-2 min
+    python bench/gpu_compare.py --tiny             # both workloads on tiny random models, 2 steps, CPU: 1-3 min
 """
 import argparse, sys, tempfile, time, zlib
 from pathlib import Path
@@ -45,12 +49,12 @@ PEAK_SIZE = {"cuda": 8192, "cpu": 2048, "tiny": 512}
 
 
 def distinct_reward(prompts, completions, **kw) -> list:
-    "A reward in [0, 1) from a hash of each completion's text: different texts score differently, so no group is uniform."
+    "A reward in [0, 1) from a hash of each completion's text: different texts score differently (no uniform group)."
     return [zlib.crc32(str(c).encode()) / 2**32 for c in completions]
 
 
 def never_ends(model, stop_ids: list, lift: float = 0.1, push: float = 1e4):
-    "Make `stop_ids` impossible to draw: residual dimension 0 holds `lift` everywhere and the head's stop rows read -push x it."
+    "Make `stop_ids` impossible to draw: residual dimension 0 holds `lift`, and the head's stop rows read -push x it."
     import torch
     if model.config.tie_word_embeddings: raise ValueError("never_ends needs an untied output head")
     with torch.no_grad():
@@ -61,7 +65,7 @@ def never_ends(model, stop_ids: list, lift: float = 0.1, push: float = 1e4):
         model.model.norm.weight[0] = 1.0                             # so the final norm's dimension 0 is always > 0
         head = model.get_output_embeddings().weight
         head[stop_ids] = 0
-        head[stop_ids, 0] = -push                                    # a stop token's logit: -push x (that positive value)
+        head[stop_ids, 0] = -push                                    # a stop token's logit: -push x that (> 0)
     return model
 
 
@@ -75,8 +79,8 @@ def build_model(kind: str, folder: str, device: str, tiny: bool) -> dict:
     t0 = time.perf_counter()
     if kind == "smollm2": model = tiny_random_model(tok)
     else:
-        cfg = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **(QWEN_TINY if tiny else QWEN_1_5B))
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        cfg = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, **ids, **(QWEN_TINY if tiny else QWEN_1_5B))
         torch.manual_seed(0)
         with torch.device(device): model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         never_ends(model, stop_token_ids(model, tok))
@@ -145,13 +149,14 @@ def summarise(runs: list, arm: str, cfg: dict, prompt_toks: list, params: dict, 
     mine = [r for r in runs if r["arm"] == arm]
     timed = [row for r in mine for row in step_rows(r, cfg, prompt_toks)[1:]]
     med = lambda f: bl.median([f(x) for x in timed])
+    rows_n = cfg["num_generations"] * cfg["prompts_per_step"]
     mem_key = "peak_cuda_mb" if device == "cuda" else "peak_rss_mb"
     return {"runs": len(mine), "timed_steps": len(timed), "median_step_s": med(lambda x: x["step_s"]),
             "median_generate_s": med(lambda x: x["generate_s"]), "median_update_s": med(lambda x: x["update_s"]),
             "ms_per_sampled_token": med(lambda x: 1e3 * x["generate_s"] / x["completion_tokens"]),
             "update_share_of_bf16_peak": med(lambda x: update_flops(params, x) / x["update_s"] / peak),
             "peak_memory_mb": max(r[mem_key] for r in mine), "memory_measure": mem_key,
-            "mean_completion_length": med(lambda x: x["completion_tokens"]) / (cfg["num_generations"] * cfg["prompts_per_step"]),
+            "mean_completion_length": med(lambda x: x["completion_tokens"]) / rows_n,
             "load_s": bl.median([r["load_s"] for r in mine]), "steps": [step_rows(r, cfg, prompt_toks) for r in mine]}
 
 
@@ -189,7 +194,8 @@ def print_workload(name: str, w: dict):
                     "mean_completion_length": ".1f"}))
     r = w["ratios_ours_over_trl"]
     print(f"ours/TRL: step time {r['step_time']:.3f}, peak memory ({w['summary']['ours']['memory_measure']}) "
-          f"{r['peak_memory']:.3f}, time per sampled token {r['time_per_sampled_token']:.3f}, update {r['update_time']:.3f}")
+          f"{r['peak_memory']:.3f}, time per sampled token {r['time_per_sampled_token']:.3f}, "
+          f"update {r['update_time']:.3f}")
 
 
 def pick_device(ap, name: str) -> str:
@@ -226,13 +232,14 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}_models_", dir=out.parent) as folder:
         paths = model_folders(args.workloads, args.quick, Path(folder))
         builds = {k: f for k, f in paths.items() if f.startswith(folder)}
-        prep = bl.run_worker(__file__, {"arm": "prepare", "device": device, "n": n, "builds": builds, "tiny": args.quick})
+        prep = bl.run_worker(__file__, dict(arm="prepare", device=device, n=n, builds=builds, tiny=args.quick))
         peak = prep["peak"]
         print(f"bf16 matmul peak on {device}: {peak['bf16_flops'] / 1e12:.3f} TFLOP/s ({n}^3)", flush=True)
         for k, b in prep["built"].items():
             print(f"built {k}: {b['params'] / 1e6:.1f} M parameters ({b['dtype']}), stop ids {b['stop_ids']}"
                   + (" never drawn" if k != "smollm2" else ""), flush=True)
-        work = {k: run_workload(k, args, device, paths[k], prep["built"].get(k), peak["bf16_flops"]) for k in args.workloads}
+        work = {k: run_workload(k, args, device, paths[k], prep["built"].get(k), peak["bf16_flops"])
+                for k in args.workloads}
     for name, w in work.items(): print_workload(name, w)
     if args.quick: print("\n(--tiny: tiny random models on a few tokens; the ratios say nothing about real workloads)")
     res = {"name": "gpu_compare", "tiny": args.quick, "device": device, "trl_version": trl_version, "bf16_peak": peak,

@@ -51,7 +51,7 @@ def prompts_and_answers(c) -> list:
 
 
 def worker_ours(cfg: dict, extra: list, device: str = None) -> dict:
-    "One run of mmrgrpo's trainer on `device` (default: CUDA if there is one): per-step times, phases, rewards, lengths."
+    "One run of mmrgrpo's trainer on `device` (default: CUDA if any): per-step times, phases, rewards, lengths."
     import torch
     from mmrgrpo.config import load_config
     import mmrgrpo.trainer as tr
@@ -71,8 +71,8 @@ def worker_ours(cfg: dict, extra: list, device: str = None) -> dict:
     return {"step_s": [r["time/step"] for r in rows], "generate_s": [r.get("time/generate") for r in rows],
             "reward": [r.get("reward") for r in rows], "completion_length": [r.get("completion_length") for r in rows],
             "kl": [r.get("kl") for r in rows], "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded,
-            "reward_s": [r.get("time/reward") for r in rows], "phases_s": [{k: v for k, v in r.items() if k.startswith("time/")}
-                                                                          for r in rows],
+            "reward_s": [r.get("time/reward") for r in rows],
+            "phases_s": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
             "params": params, "device": str(next(model.parameters()).device), "threads": torch.get_num_threads()}
 
 
@@ -105,7 +105,8 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw): bl.sync(device); starts["t"] = time.perf_counter()
-        def on_step_end(self, args, state, control, **kw): bl.sync(device); times.append(time.perf_counter() - starts["t"])
+        def on_step_end(self, args, state, control, **kw):
+            bl.sync(device); times.append(time.perf_counter() - starts["t"])
 
     logged = []
     class LogKeeper(TrainerCallback):
@@ -122,14 +123,16 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
                           weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, optim="adamw_torch",
                           max_steps=c.steps, logging_steps=1, save_strategy="no", report_to="none", seed=c.seed,
                           shuffle_dataset=False, disable_dropout=True, reward_weights=c.reward_weights,
-                          log_completions=False, dataloader_num_workers=0, model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"})
+                          log_completions=False, dataloader_num_workers=0,
+                          model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"})
         for kv in extra:
             k, v = kv.split("=", 1); setattr(targs, k, json.loads(v) if v[:1] in "[{0123456789-tf" else v)
         peft = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                           target_modules=list(c.lora_target_modules), task_type="CAUSAL_LM")
         t0 = time.perf_counter()
-        trainer = GRPOTrainer(model=c.model, reward_funcs=get_reward_funcs(c.reward_funcs), args=targs, train_dataset=ds,
-                              processing_class=load_tokenizer(c.model), peft_config=peft, callbacks=[StepTimer(), LogKeeper()])
+        trainer = GRPOTrainer(model=c.model, reward_funcs=get_reward_funcs(c.reward_funcs), args=targs,
+                              train_dataset=ds, processing_class=load_tokenizer(c.model), peft_config=peft,
+                              callbacks=[StepTimer(), LogKeeper()])
         generate_s, prepare_s = [], []       # sampling alone; sampling, rewards and advantages together
         timed_method(trainer, "_generate", generate_s, device)
         timed_method(trainer, "_generate_and_score_completions", prepare_s, device)

@@ -8,7 +8,7 @@ bf16 autocast and samples with its default copy, `sampler_dtype=auto`; TRL runs 
 issue 47 measured TRL on an H200:
 - `smollm2`: SmolLM2-135M-Instruct (the embedded model), arithmetic level 2, 128 new tokens, rewards accuracy + 0.2
   format.
-- `qwen1.5b`: random weights of Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, untied
+- `qwen1.5b`: random weights of Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, tied
   head: 1.39 B parameters) with SmolLM2's vocabulary and tokenizer, built on the device in a process of its own and
   saved in bf16 to a temporary folder beside the result (removed at the end). 256 new tokens and every completion runs
   to the limit: the weights are edited so that no stop token can be drawn (`never_ends`), for both trainers alike. The
@@ -55,8 +55,9 @@ def distinct_reward(prompts, completions, **kw) -> list:
 
 def never_ends(model, stop_ids: list, lift: float = 0.1, push: float = 1e4):
     "Make `stop_ids` impossible to draw: residual dimension 0 holds `lift`, and the head's stop rows read -push x it."
+    # With a tied head the stop tokens' embeddings become those rows too, so a position whose input is a stop token holds
+    # -push there: only prompts (pads, turn ends) have such inputs, and nothing is drawn or scored after them.
     import torch
-    if model.config.tie_word_embeddings: raise ValueError("never_ends needs an untied output head")
     with torch.no_grad():
         model.get_input_embeddings().weight[:, 0] = lift          # every token puts `lift` in dimension 0 ...
         for layer in model.model.layers:                             # ... and no layer writes to it (no biases there)
@@ -80,7 +81,7 @@ def build_model(kind: str, folder: str, device: str, tiny: bool) -> dict:
     if kind == "smollm2": model = tiny_random_model(tok)
     else:
         ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        cfg = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, **ids, **(QWEN_TINY if tiny else QWEN_1_5B))
+        cfg = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, **ids, **(QWEN_TINY if tiny else QWEN_1_5B))
         torch.manual_seed(0)
         with torch.device(device): model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         never_ends(model, stop_token_ids(model, tok))

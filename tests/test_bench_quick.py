@@ -39,15 +39,17 @@ def test_gpu_compare_runs_tiny_on_the_cpu(tmp_path):
 
 
 def test_never_ends_makes_the_stop_tokens_impossible():
-    "gpu_compare's weight edit: after it, a stop token's probability is exactly 0 at every position of any input."
+    "gpu_compare's weight edit: a stop token's probability is exactly 0 after any other token, tied head or not."
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
     sys.path.insert(0, str(BENCH))
     from gpu_compare import QWEN_TINY, never_ends
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, tie_word_embeddings=False, **QWEN_TINY)
-    model = never_ends(AutoModelForCausalLM.from_config(cfg), [2, 7])
-    probs = model(torch.randint(0, 300, (4, 40))).logits.softmax(-1)
-    assert probs[..., [2, 7]].max() == 0 and probs.sum(-1).allclose(torch.ones(4, 40))
-    tied = AutoModelForCausalLM.from_config(Qwen2Config(tie_word_embeddings=True, **QWEN_TINY))
-    with pytest.raises(ValueError, match="untied"): never_ends(tied, [2])
+    stops, ids = [2, 7], torch.randint(8, 300, (4, 40))
+    ids[:, 5] = 2                                    # a stop token inside the input (a prompt's turn end, a pad)
+    for tied in (True, False):
+        model = never_ends(AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=300, tie_word_embeddings=tied,
+                                                                         **QWEN_TINY)), stops)
+        probs = model(ids).logits.softmax(-1)
+        after_other = (ids != 2)[..., None]              # predictions made after a token that is not a stop token
+        assert (probs[..., stops] * after_other).max() == 0 and probs.sum(-1).allclose(torch.ones(4, 40))

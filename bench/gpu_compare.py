@@ -235,7 +235,9 @@ def main(argv=None):
         builds = {k: f for k, f in paths.items() if f.startswith(folder)}
         prep = bl.run_worker(__file__, dict(arm="prepare", device=device, n=n, builds=builds, tiny=args.quick))
         peak = prep["peak"]
-        print(f"bf16 matmul peak on {device}: {peak['bf16_flops'] / 1e12:.3f} TFLOP/s ({n}^3)", flush=True)
+        mach = meta["machine"]
+        where = mach.get("gpu") if device == "cuda" else f"{mach['cpu_model']}, {' '.join(mach['cpu_flags'])}"
+        print(f"bf16 matmul peak on {device} ({where}): {peak['bf16_flops'] / 1e12:.3f} TFLOP/s ({n}^3)", flush=True)
         for k, b in prep["built"].items():
             print(f"built {k}: {b['params'] / 1e6:.1f} M parameters ({b['dtype']}), stop ids {b['stop_ids']}"
                   + (" never drawn" if k != "smollm2" else ""), flush=True)

@@ -165,11 +165,12 @@ def run_workload(name: str, args, device: str, model_path: str, built: dict, pea
     "Run the workload's arms alternately on its model and compare them."
     steps = args.steps or (2 if args.quick else 4)
     cfg = workload_config(name, model_path, args.quick, steps, args.threads)
-    spec = {"ours": {"device": device}, "trl": {"device": device, "bf16": True}}
+    spec = {"ours": {"device": device, "extra": args.ours_set}, "trl": {"device": device, "bf16": True,
+                                                                      "extra": args.trl_set}}
     runs = []
     for _, arm in bl.interleaved(["ours", "trl"], args.runs):
         print(f"  {name}: {arm} ...", flush=True)
-        r = bl.run_worker(__file__, {"arm": arm, "cfg": cfg, "extra": [], **spec[arm]})
+        r = bl.run_worker(__file__, {"arm": arm, "cfg": cfg, **spec[arm]})
         runs.append(r)
         print(f"    steps {[round(t, 3) for t in r['step_s']]} s, lengths {r['completion_length']}", flush=True)
     params = next(r["params"] for r in runs if r["arm"] == "ours")
@@ -215,6 +216,9 @@ def main(argv=None):
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 4; --tiny 2); the first warms up")
     ap.add_argument("--runs", type=int, default=1, help="runs per arm, alternating the order")
+    ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="mmrgrpo config overrides for both workloads (e.g. micro_batch_size=16); saved with the result")
+    ap.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE", help="TRL GRPOConfig fields (JSON values)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -246,6 +250,7 @@ def main(argv=None):
     for name, w in work.items(): print_workload(name, w)
     if args.quick: print("\n(--tiny: tiny random models on a few tokens; the ratios say nothing about real workloads)")
     res = {"name": "gpu_compare", "tiny": args.quick, "device": device, "trl_version": trl_version, "bf16_peak": peak,
+           "ours_overrides": args.ours_set, "trl_overrides": args.trl_set,
            "flop_count": "LoRA, frozen base: 4 x base linear weights x (prompt + completion tokens of every row) + "
                          "4 x head weights x completion tokens; attention scores and adapters left out",
            "workloads": work, "meta": bl.finish_meta(meta)}

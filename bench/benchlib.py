@@ -60,9 +60,19 @@ def auto_precision() -> str:
     return f"{choose_dtype('cpu').describe()}; sampler copy {sampler_dtype('auto', 'cpu')}"
 
 
+def gpu_info() -> dict:
+    "The CUDA GPU torch sees first: name, compute capability, memory and CUDA version (empty without one)."
+    import torch
+    if not torch.cuda.is_available(): return {}
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "gpu_count": torch.cuda.device_count(), "capability": f"{p.major}.{p.minor}",
+            "gpu_mem_gb": round(p.total_memory / 2**30, 1), "cuda_version": torch.version.cuda}
+
+
 def machine_info() -> dict:
     import torch, transformers
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {**gpu_info(), "nproc": os.cpu_count(), "affinity": affinity,
             "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(), "python": platform.python_version(), "hostname": platform.node(),
@@ -109,6 +119,18 @@ def _jsonable(x):
 def peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
     "Peak resident set size so far, MiB (Linux reports ru_maxrss in KiB)."
     return round(resource.getrusage(who).ru_maxrss / 1024, 1)
+
+
+def peak_cuda_mb() -> float:
+    "Torch's peak allocated CUDA memory in this process so far, MiB (None where CUDA was never used)."
+    import torch
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_initialized() else None
+
+
+def sync(device="cpu"):
+    "Wait for `device`'s queued work (CUDA runs asynchronously; a CPU needs nothing)."
+    import torch
+    if torch.device(device).type == "cuda": torch.cuda.synchronize()
 
 
 def release_memory():
@@ -220,3 +242,27 @@ def serve_baseline(handle):
     print(json.dumps({"package": str(Path(mmrgrpo.__file__).resolve().parents[1])}), flush=True)
     for line in sys.stdin:
         print(json.dumps(handle(json.loads(line)), default=_jsonable), flush=True)
+
+
+def run_worker(script, spec: dict) -> dict:
+    "Run `python SCRIPT --worker SPEC --worker-out OUT` in a fresh process (clean peak memory); return what it wrote."
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, out = Path(d) / "spec.json", Path(d) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, str(script), "--worker", str(spec_path), "--worker-out", str(out)],
+                           capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{spec.get('arm')} worker failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+        return {**json.loads(out.read_text()), "process_wall_s": wall}
+
+
+def serve_worker(spec_path, out_path, handlers: dict):
+    "The worker side of `run_worker`: call `handlers[arm](**the spec's other keys)`, add peak memory, write JSON."
+    spec = json.loads(Path(spec_path).read_text())
+    arm = spec.pop("arm")
+    r = handlers[arm](**spec)
+    r.update(arm=arm, peak_rss_mb=peak_rss_mb(), peak_rss_children_mb=peak_rss_mb(resource.RUSAGE_CHILDREN),
+             peak_cuda_mb=peak_cuda_mb() if "torch" in sys.modules else None)
+    Path(out_path).write_text(json.dumps(r, default=_jsonable))

@@ -66,13 +66,14 @@ import benchlib as bl
 
 
 def time_matmul(a, b, min_s: float = 0.3) -> float:
-    "Seconds per a @ b, from a loop lasting at least `min_s` (one warm-up call first)."
+    "Seconds per a @ b, from a loop lasting at least `min_s` (one warm-up call first; on a GPU, its queue drained)."
     import torch
-    torch.matmul(a, b)
-    t0 = time.perf_counter(); torch.matmul(a, b); one = time.perf_counter() - t0
+    torch.matmul(a, b); bl.sync(a.device)
+    t0 = time.perf_counter(); torch.matmul(a, b); bl.sync(a.device); one = time.perf_counter() - t0
     n = max(1, math.ceil(min_s / max(one, 1e-6)))
     t0 = time.perf_counter()
     for _ in range(n): torch.matmul(a, b)
+    bl.sync(a.device)
     return (time.perf_counter() - t0) / n
 
 

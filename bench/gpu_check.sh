@@ -13,6 +13,8 @@
 #   vllm_lora      20 steps with generation_backend=vllm, then the learner/sampler log-prob gap on fresh completions, and
 #                  the gap of a QLoRA policy sampled by the same (reused) engine
 #   colab          nbs/tutorials/colab_qlora.ipynb, gpu cells included, at reduced size (SmolLM2, 4 steps, 8 eval questions)
+# Not a stage (it needs the bench extra, pip install trl==1.16.0, and minutes more): issue 47's comparison with TRL,
+#   python bench/gpu_compare.py --device cuda --out bench/results/gpu_compare_h200.json   (BENCHMARKS section 6a)
 # Each stage's wall time and peak GPU memory (nvidia-smi, whole GPU, every 250 ms) go to the summary, with each run's own
 # numbers: the precision used, median step/generate/update times, torch's peak allocated memory, rewards, accuracy, gaps.
 set -uo pipefail

@@ -21,7 +21,7 @@ own logged `step_time` is stored beside it as a cross-check). The first step of 
     python bench/trl_compare.py                   # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
     python bench/trl_compare.py --quick           # a tiny random model saved to a temp folder, 1-3 min
 """
-import argparse, json, os, subprocess, sys, tempfile, time
+import argparse, json, sys, tempfile, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,18 +50,20 @@ def prompts_and_answers(c) -> list:
     return [(tr.build_prompt(tok, c, r["question"], c.task), r["answer"]) for r in recs]
 
 
-def worker_ours(cfg: dict, extra: list) -> dict:
+def worker_ours(cfg: dict, extra: list, device: str = None) -> dict:
+    "One run of mmrgrpo's trainer on `device` (default: CUDA if any): per-step times, phases, rewards, lengths."
     import torch
     from mmrgrpo.config import load_config
     import mmrgrpo.trainer as tr
+    from compute_efficiency import param_counts
     with tempfile.TemporaryDirectory() as d:
         c = load_config(overrides=extra, **dict(cfg, output_dir=d))
         bl.set_threads(c.threads)
         t0 = time.perf_counter()
         from mmrgrpo.models import load_policy
-        model, tok = load_policy(c)
+        model, tok = load_policy(c, device)
         load_s = time.perf_counter() - t0
-        rss_loaded = bl.peak_rss_mb()
+        rss_loaded, params = bl.peak_rss_mb(), param_counts(model)
         t0 = time.perf_counter()
         res = tr.train(c, model=model, tokenizer=tok, progress=False)
         train_s = time.perf_counter() - t0
@@ -69,10 +71,24 @@ def worker_ours(cfg: dict, extra: list) -> dict:
     return {"step_s": [r["time/step"] for r in rows], "generate_s": [r.get("time/generate") for r in rows],
             "reward": [r.get("reward") for r in rows], "completion_length": [r.get("completion_length") for r in rows],
             "kl": [r.get("kl") for r in rows], "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded,
-            "threads": torch.get_num_threads()}
+            "reward_s": [r.get("time/reward") for r in rows],
+            "phases_s": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
+            "params": params, "device": str(next(model.parameters()).device), "threads": torch.get_num_threads()}
 
 
-def worker_trl(cfg: dict, extra: list) -> dict:
+def timed_method(obj, name: str, into: list, device: str):
+    "Replace `obj.name` by a wrapper that appends each call's wall-clock seconds (device work finished) to `into`."
+    fn = getattr(obj, name)
+    def timed(*a, **kw):
+        bl.sync(device); t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        bl.sync(device); into.append(time.perf_counter() - t0)
+        return out
+    setattr(obj, name, timed)
+
+
+def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) -> dict:
+    "One run of TRL's GRPOTrainer with the same settings, on `device`; `bf16`: bf16 weights and mixed precision."
     import torch, trl
     from datasets import Dataset
     from peft import LoraConfig
@@ -80,8 +96,7 @@ def worker_trl(cfg: dict, extra: list) -> dict:
     from trl import GRPOConfig as TRLConfig, GRPOTrainer
     from mmrgrpo.config import load_config
     from mmrgrpo.models import load_tokenizer
-    from mmrgrpo.rewards import format_reward
-    from mmrgrpo.rewards import accuracy_reward
+    from mmrgrpo.rewards import get_reward_funcs
     c = load_config(**dict(cfg, output_dir="unused"))
     bl.set_threads(c.threads)
     pa = prompts_and_answers(c)
@@ -89,8 +104,9 @@ def worker_trl(cfg: dict, extra: list) -> dict:
     times, starts = [], {}
 
     class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw): starts["t"] = time.perf_counter()
-        def on_step_end(self, args, state, control, **kw): times.append(time.perf_counter() - starts["t"])
+        def on_step_begin(self, args, state, control, **kw): bl.sync(device); starts["t"] = time.perf_counter()
+        def on_step_end(self, args, state, control, **kw):
+            bl.sync(device); times.append(time.perf_counter() - starts["t"])
 
     logged = []
     class LogKeeper(TrainerCallback):
@@ -98,7 +114,7 @@ def worker_trl(cfg: dict, extra: list) -> dict:
             if logs: logged.append(dict(logs))
 
     with tempfile.TemporaryDirectory() as d:
-        targs = TRLConfig(output_dir=d, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        targs = TRLConfig(output_dir=d, use_cpu=device == "cpu", bf16=bf16, fp16=False, gradient_checkpointing=False,
                           per_device_train_batch_size=c.prompts_per_step * c.num_generations, gradient_accumulation_steps=1,
                           num_generations=c.num_generations, max_completion_length=c.max_completion_length,
                           temperature=c.temperature, top_p=c.top_p, top_k=0, beta=c.beta_, loss_type=c.loss_type,
@@ -107,14 +123,19 @@ def worker_trl(cfg: dict, extra: list) -> dict:
                           weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, optim="adamw_torch",
                           max_steps=c.steps, logging_steps=1, save_strategy="no", report_to="none", seed=c.seed,
                           shuffle_dataset=False, disable_dropout=True, reward_weights=c.reward_weights,
-                          log_completions=False, dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"})
+                          log_completions=False, dataloader_num_workers=0,
+                          model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"})
         for kv in extra:
             k, v = kv.split("=", 1); setattr(targs, k, json.loads(v) if v[:1] in "[{0123456789-tf" else v)
         peft = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                           target_modules=list(c.lora_target_modules), task_type="CAUSAL_LM")
         t0 = time.perf_counter()
-        trainer = GRPOTrainer(model=c.model, reward_funcs=[accuracy_reward, format_reward], args=targs, train_dataset=ds,
-                              processing_class=load_tokenizer(c.model), peft_config=peft, callbacks=[StepTimer(), LogKeeper()])
+        trainer = GRPOTrainer(model=c.model, reward_funcs=get_reward_funcs(c.reward_funcs), args=targs,
+                              train_dataset=ds, processing_class=load_tokenizer(c.model), peft_config=peft,
+                              callbacks=[StepTimer(), LogKeeper()])
+        generate_s, prepare_s = [], []       # sampling alone; sampling, rewards and advantages together
+        timed_method(trainer, "_generate", generate_s, device)
+        timed_method(trainer, "_generate_and_score_completions", prepare_s, device)
         load_s = time.perf_counter() - t0
         rss_loaded = bl.peak_rss_mb()
         t0 = time.perf_counter()
@@ -124,24 +145,13 @@ def worker_trl(cfg: dict, extra: list) -> dict:
     return {"step_s": times, "trl_logged_step_time": [l.get("step_time") for l in steps], "reward": [l.get("reward") for l in steps],
             "completion_length": [l.get("completions/mean_length") for l in steps], "kl": [l.get("kl") for l in steps],
             "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded, "trl_version": trl.__version__,
+            "generate_s": generate_s, "prepare_s": prepare_s, "device": str(trainer.accelerator.device),
             "threads": torch.get_num_threads()}
 
 
 def run_worker(arm: str, cfg: dict, extra: list, threads: int) -> dict:
     "Run one arm in a fresh Python process; return its result dict (with peak RSS)."
-    with tempfile.TemporaryDirectory() as d:
-        spec, out = Path(d) / "spec.json", Path(d) / "out.json"
-        spec.write_text(json.dumps({"arm": arm, "cfg": cfg, "extra": extra}))
-        env = dict(os.environ)
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, __file__, "--worker", str(spec), "--worker-out", str(out)], env=env,
-                           capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if p.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{arm} worker failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-        r = json.loads(out.read_text())
-        r["process_wall_s"] = wall
-        return r
+    return bl.run_worker(__file__, {"arm": arm, "cfg": cfg, "extra": extra})
 
 
 def summarise(runs: list, arm: str) -> dict:
@@ -164,13 +174,7 @@ def main(argv=None):
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        spec = json.loads(Path(args.worker).read_text())
-        fn = worker_ours if spec["arm"] == "ours" else worker_trl
-        r = fn(spec["cfg"], spec["extra"])
-        r.update(arm=spec["arm"], peak_rss_mb=bl.peak_rss_mb(), peak_rss_children_mb=bl.peak_rss_mb(bl.resource.RUSAGE_CHILDREN))
-        Path(args.worker_out).write_text(json.dumps(r))
-        return
+    if args.worker: return bl.serve_worker(args.worker, args.worker_out, {"ours": worker_ours, "trl": worker_trl})
     meta = bl.start_meta()
     try: import trl; trl_version = trl.__version__
     except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (a benchmark-only extra)")

@@ -14,7 +14,7 @@ demo:
 	mmrgrpo demo
 
 test:
-	nbdev-test --n-workers 2 && python -m pytest -q && bash tools/vllm_cpu_tests.sh
+	nbdev-test --n-workers 2 && python -m pytest -q && bash tools/any_cpu_tests.sh && bash tools/vllm_cpu_tests.sh
 
 export:
 	nbdev-export

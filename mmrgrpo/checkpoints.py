@@ -8,8 +8,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'BEST', 'RUN_FILES', 'LOCK', 'rng_state',
            'set_rng_state', 'checkpoints', 'write_manifest', 'checkpoint_problem', 'latest_checkpoint',
            'save_checkpoint', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError',
-           'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record', 'clear_run',
-           'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
+           'load_checkpoint', 'checkpoint_step', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record',
+           'clear_run', 'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
            'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
@@ -197,6 +197,10 @@ RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completion
              "max_nonfinite_steps", "vllm_gpu_memory_utilization", "vllm_sleep", "fused_decode", "fused_head", "keep_freed_memory",
              "bf16_base", "pack_completions", "save_best")
 
+def checkpoint_step(ck: Path) -> int:
+    "The step a checkpoint was saved after, from its trainer_state.json."
+    return int(json.loads((Path(ck) / "trainer_state.json").read_text())["step"])
+
 def config_changes(ck: Path, c: GRPOConfig) -> dict:
     "{field: (the checkpoint's value, `c`'s)} for each field that differs; a field the checkpoint's config lacks counts as its default."
     old = yaml.safe_load((Path(ck) / "config.yaml").read_text()) or {}
@@ -212,6 +216,8 @@ def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
         if ck is None: raise ConfigError(f"resume_from='latest' but {out} holds no complete checkpoint that verifies: "
                                          "start a new run there with overwrite=true")
     elif why := checkpoint_problem(ck := Path(c.resume_from)): raise CheckpointError(f"resume_from={c.resume_from!r} cannot be used: {why}")
+    if c.steps <= (step := checkpoint_step(ck)):
+        raise ConfigError(f"steps={c.steps}: {ck} is already at step {step}, so resuming would train nothing: set steps above {step}")
     changes = config_changes(ck, c)
     if fixed := {k: v for k, v in changes.items() if k not in RESUMABLE}:
         raise ConfigError(f"resume_from={c.resume_from!r}: {ck} was trained with " + ", ".join(f"{k}={a!r}" for k, (a, b) in fixed.items())
@@ -314,7 +320,7 @@ def check_output_dir(out: Path):
     "Refuse, in one line, an `output_dir` that cannot hold a run: a file, inside a checkpoint, not creatable, or holding links where the run writes."
     out = Path(os.path.abspath(out))
     if out.exists() and not out.is_dir(): raise ConfigError(f"output_dir={str(out)!r} is a file: name a folder")
-    if ck := _inside_checkpoint(out):
+    if ck := _inside_checkpoint(out.resolve()):      # resolved: a link to a checkpoint is that checkpoint
         raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; choose a folder "
                           "outside every checkpoint-<step> folder")
     try: out.mkdir(parents=True, exist_ok=True)
@@ -335,7 +341,7 @@ def check_resume_into(out: Path, ck: Path):
 
 def check_no_later_checkpoints(out: Path, ck: Path):
     "A verified checkpoint `ck` continues in `out` only if `out` holds no later `checkpoint-<step>` (of the run that went on past it)."
-    step = int(json.loads((ck / "trainer_state.json").read_text())["step"])
+    step = checkpoint_step(ck)
     if later := [p.name for p in checkpoints(out) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) > step]:
         raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, which went on to {', '.join(later)}: "
                           "a run continuing there would mix its checkpoints with those (and rotating them would remove its "

@@ -1,0 +1,85 @@
+"""Trust, round 4 (issue 45, items 1-13), proven on the tiny random model: ordinary stops (a dead terminal, nohup, a
+scheduler's SIGTERM) never lose a step, a run never claims what it did not do, and no folder or file it is handed is
+overwritten by mistake. nbs/50_reliability.ipynb tabulates them."""
+import errno, json, os, signal, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+import mmrgrpo.trainer as T
+from mmrgrpo.checkpoints import CheckpointError, TrainingInterrupted
+from mmrgrpo.cli import main
+from mmrgrpo.config import ConfigError
+from mmrgrpo.trainer import train
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
+from test_runs import args, cfg, child_env, names, steps_logged
+
+
+def err_lines(capsys) -> list:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    "A finished two-step run (checkpoint-1 and checkpoint-2), for tests that only read it; copy it before changing it."
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(cfg(out, steps=2), progress=False)
+    return out
+
+
+def copy_run(src: Path, dest: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(".mmrgrpo.lock"))
+    return dest
+
+
+# --- 10: resuming with steps not past the checkpoint's step is an error, and config.yaml is left alone
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_resume_with_steps_not_past_the_checkpoint_is_refused(steps, finished_run, tmp_path, no_model):
+    out = copy_run(finished_run, tmp_path / "run")
+    before = (out / "config.yaml").read_text()
+    with pytest.raises(ConfigError) as e: train(cfg(out, steps=steps, resume_from="latest"), progress=False)
+    assert str(e.value) == (f"steps={steps}: {out / 'checkpoint-2'} is already at step 2, so resuming would train nothing: "
+                            "set steps above 2"), str(e.value)
+    assert (out / "config.yaml").read_text() == before
+
+
+# --- 11: an output_dir that is a link to a checkpoint is inside that checkpoint
+
+def test_output_dir_linking_to_a_checkpoint_is_refused(finished_run, tmp_path, no_model):
+    out = copy_run(finished_run, tmp_path / "run")
+    link = tmp_path / "link"; link.symlink_to(out / "checkpoint-2")
+    before = sorted(p.name for p in (out / "checkpoint-2").iterdir())
+    with pytest.raises(ConfigError) as e: train(cfg(link), progress=False)
+    assert f"output_dir={str(link)!r} is inside the checkpoint {out / 'checkpoint-2'}" in str(e.value), str(e.value)
+    assert sorted(p.name for p in (out / "checkpoint-2").iterdir()) == before
+
+
+# --- 12: a new run never replaces the config file it was started from
+
+def test_a_new_run_does_not_overwrite_its_own_config_file(tmp_path, capsys, no_model):
+    out = tmp_path / "run"; out.mkdir()
+    text = "# my notes\n" + "".join(f"{k}: {json.dumps(v)}\n" for k, v in {**cfg(out).__dict__}.items() if k in (
+        "model", "num_generations", "prompts_per_step", "max_completion_length", "eval_size", "output_dir"))
+    (out / "config.yaml").write_text(text)
+    assert main(["train", "--config", str(out / "config.yaml"), "steps=1"]) == 2
+    line = err_lines(capsys)[-1]
+    assert line == (f"error: --config {out / 'config.yaml'} is the config.yaml that a run in output_dir={str(out)!r} writes: "
+                    "copy it out of output_dir and pass the copy, or pass overwrite=true to let the run replace it"), line
+    assert (out / "config.yaml").read_text() == text
+
+
+# --- 13: the demo replaces only its own earlier run
+
+def test_the_demo_does_not_delete_a_train_run_in_its_folder(finished_run, tmp_path, monkeypatch, capsys, no_model):
+    monkeypatch.chdir(tmp_path)
+    out = copy_run(finished_run, tmp_path / "runs" / "demo")
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["demo"]) == 2
+    line = err_lines(capsys)[-1]
+    assert line == ("error: runs/demo holds a run that the demo did not write (checkpoint-1, checkpoint-2, metrics.jsonl): "
+                    "move it away, or run the demo elsewhere with output_dir=<folder>"), line
+    assert sorted(p.name for p in out.iterdir()) == before

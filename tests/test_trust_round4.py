@@ -83,3 +83,55 @@ def test_the_demo_does_not_delete_a_train_run_in_its_folder(finished_run, tmp_pa
     assert line == ("error: runs/demo holds a run that the demo did not write (checkpoint-1, checkpoint-2, metrics.jsonl): "
                     "move it away, or run the demo elsewhere with output_dir=<folder>"), line
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+# --- 1: a lost stdout or terminal stops the run after the step in progress, saved, naming the reason
+
+class DeadAfter:
+    "A stream that fails like a closed pipe (EPIPE) or a lost terminal (EIO) once `when` has been written."
+    def __init__(self, err: int, when: str = "step 1/"): self.err, self.when, self.dead, self.text = err, when, False, ""
+    def write(self, s):
+        if self.dead or self.when in s: self.dead = True; raise OSError(self.err, os.strerror(self.err))
+        self.text += s; return len(s)
+    def flush(self):
+        if self.dead: raise OSError(self.err, os.strerror(self.err))
+
+
+@pytest.mark.parametrize("err,signum", [(errno.EPIPE, signal.SIGPIPE), (errno.EIO, signal.SIGHUP)])
+def test_a_lost_stdout_stops_the_run_after_the_step_with_it_saved(err, signum, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "stdout", DeadAfter(err))
+    with pytest.raises(TrainingInterrupted) as e: train(cfg(out, steps=4, save_every=5), progress=False)
+    cause = "BrokenPipeError: Broken pipe" if err == errno.EPIPE else "OSError: Input/output error"
+    assert str(e.value) == (f"stdout was lost ({cause}): stopped after step 1; saved {out / 'checkpoint-1'} "
+                            "(resume_from=latest continues from it)"), str(e.value)
+    assert e.value.exit_code == 128 + signum and names(out) == ["checkpoint-1"] and steps_logged(out) == [1]
+
+
+def test_a_closed_stdout_pipe_in_a_cli_run_saves_and_exits_141(tmp_path):
+    out, (r, w) = tmp_path / "run", os.pipe()
+    os.close(r)                                     # `| tee` was killed: every write to stdout fails with EPIPE
+    code = "import sys; from mmrgrpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    p = subprocess.run([sys.executable, "-c", code, *args(out, steps=4, save_every=5)], env=child_env(), stdout=w,
+                       stderr=subprocess.PIPE, text=True, timeout=600)
+    os.close(w)
+    assert p.returncode == 141, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (f"stdout was lost (BrokenPipeError: Broken pipe): stopped after step 1; saved "
+                                                 f"{out / 'checkpoint-1'} (resume_from=latest continues from it)"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and names(out) == ["checkpoint-1"]
+
+
+# --- 2: nohup's SIGHUP ignore is kept
+
+def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
+    from mmrgrpo.sampling import HFBackend
+    real, calls = HFBackend.generate, []
+    def generate(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1: os.kill(os.getpid(), signal.SIGHUP)          # the terminal went away; nohup said to go on
+        return real(self, *a, **k)
+    monkeypatch.setattr(HFBackend, "generate", generate)
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try: train(cfg(tmp_path / "run", steps=2), progress=False)
+    finally: signal.signal(signal.SIGHUP, old)
+    assert steps_logged(tmp_path / "run") == [1, 2]

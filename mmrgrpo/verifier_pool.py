@@ -43,7 +43,9 @@ class _Worker:
     def __init__(self):
         self.conn, theirs = Pipe()
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_START, str(theirs.fileno()), *sys.path],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     start_new_session=True)   # a signal to the trainer's group (a scheduler's SIGTERM, a
+        # closed terminal's SIGHUP) must not kill the pairs being scored: the trainer ends them, or they follow it when it dies
         theirs.close()
         self.ready, self.task, self.deadline = False, None, time.monotonic() + _STARTUP_TIMEOUT
 

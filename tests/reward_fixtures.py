@@ -48,3 +48,17 @@ def sends_sigint(prompts, completions, **kwargs):
     import os, signal
     os.kill(os.getpid(), signal.SIGINT)
     return varied(prompts, completions)
+
+
+def _term_trainer_then_score(gold, completion):
+    "Run in a verifier process: for the gold 'term', send SIGTERM to the trainer's process group (a scheduler stopping the job)."
+    import os, signal, time
+    if gold == "term": os.killpg(os.getpgid(os.getppid()), signal.SIGTERM); time.sleep(0.5)
+    return 1.0
+
+
+def term_group_while_verifying(prompts, completions, **kwargs):
+    "SIGTERM reaches the trainer's process group while the verifier processes score; every completion scores 1."
+    from mmrgrpo.verifier_pool import verify_batch
+    golds = ["term"] + ["1"] * (len(completions) - 1)
+    return verify_batch(golds, completions, timeout=30, _score_fn=_term_trainer_then_score)

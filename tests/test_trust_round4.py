@@ -135,3 +135,20 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
     try: train(cfg(tmp_path / "run", steps=2), progress=False)
     finally: signal.signal(signal.SIGHUP, old)
     assert steps_logged(tmp_path / "run") == [1, 2]
+
+
+# --- 3: SIGTERM to the process group while rewards run leaves the verifier processes scoring
+
+def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_path):
+    out = tmp_path / "run"
+    code = "import sys; from mmrgrpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    p = subprocess.run([sys.executable, "-c", code, *args(out, steps=3, save_every=5,
+                        reward_funcs=["reward_fixtures:term_group_while_verifying"])],
+                       env={**child_env(), "MMRGRPO_REWARD_WORKERS": "2"}, capture_output=True, text=True, timeout=600,
+                       start_new_session=True)          # its own process group, as a scheduler's job has
+    assert p.returncode == 143, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (f"SIGTERM: stopped after step 1; saved {out / 'checkpoint-1'} "
+                                                 "(resume_from=latest continues from it)"), p.stderr[-3000:]
+    from mmrgrpo.runlog import read_metrics
+    row = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step") == 1][0]
+    assert (row["rewards/errors"], row["rewards/term_group_while_verifying"]) == (0, 1.0), row

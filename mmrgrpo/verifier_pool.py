@@ -205,7 +205,7 @@ def _load_reward_func(name: str):
         builtin = ", ".join(map(repr, BUILTIN_REWARDS))
         raise ValueError(f"unknown reward function {name!r}: use {builtin} or 'package.module:function'")
     try: mod = importlib.import_module(module)       # runs the module's code: a config naming it is code
-    except Exception as e:
+    except (Exception, SystemExit) as e:             # a stray sys.exit() in the module must not end the run with "success"
         fix = " (install it, or put its folder on PYTHONPATH)" if isinstance(e, ModuleNotFoundError) else ""
         raise ValueError(f"cannot load reward function {name!r}: importing {module!r} raised {type(e).__name__}: {e}{fix}") from e
     if not hasattr(mod, attr): raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")

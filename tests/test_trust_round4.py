@@ -152,3 +152,14 @@ def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_
     from mmrgrpo.runlog import read_metrics
     row = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step") == 1][0]
     assert (row["rewards/errors"], row["rewards/term_group_while_verifying"]) == (0, 1.0), row
+
+
+# --- 6: a reward module that calls sys.exit on import is an error, not "exit 0, nothing trained"
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_reward_module_exiting_on_import_is_an_error(code, tmp_path, monkeypatch, capsys, no_model):
+    (tmp_path / "exits_on_import.py").write_text(f"import sys\nsys.exit({code})\ndef reward(prompts, completions, **k): return [0.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(args(tmp_path / "run", reward_funcs=["exits_on_import:reward"])) == 2
+    assert err_lines(capsys)[-1] == ("error: reward_funcs: cannot load reward function 'exits_on_import:reward': importing "
+                                     f"'exits_on_import' raised SystemExit: {code}"), err_lines(capsys)

@@ -163,3 +163,25 @@ def test_a_reward_module_exiting_on_import_is_an_error(code, tmp_path, monkeypat
     assert main(args(tmp_path / "run", reward_funcs=["exits_on_import:reward"])) == 2
     assert err_lines(capsys)[-1] == ("error: reward_funcs: cannot load reward function 'exits_on_import:reward': importing "
                                      f"'exits_on_import' raised SystemExit: {code}"), err_lines(capsys)
+
+
+# --- 7: a best-checkpoint that could not be written is an error, never reported as there
+
+def test_a_failed_best_checkpoint_save_is_an_error_not_a_claim(tmp_path, monkeypatch, capsys):
+    from test_best_checkpoint import RUN, scripted_evals
+    from mmrgrpo.checkpoints import BEST
+    out = tmp_path / "run"
+    left = scripted_evals(monkeypatch, [0.2, 0.5, 0.4])                  # before training, after step 1, after step 2
+    real = T.save_checkpoint
+    def taken(out, step, *a, name=None, **k):                            # the name is taken by a file (or the disk is full)
+        if name == BEST: (out / BEST).write_text("not a folder")
+        return real(out, step, *a, name=name, **k)
+    monkeypatch.setattr(T, "save_checkpoint", taken)
+    assert main(args(out, **{**RUN, "steps": 2})) == 2
+    assert left == [] and (out / BEST).is_file()
+    err = capsys.readouterr()
+    assert "best held-out accuracy" not in err.out
+    assert err.err.strip().splitlines()[-1] == (
+        f"error: save_best: {out / BEST} was not written for the best held-out evaluation (eval/accuracy 0.500 after step 1; "
+        f"the warning above says why), there is no best-checkpoint; the final checkpoint is {out / 'checkpoint-2'}: free space "
+        f"or remove what holds the name {BEST}, then train again"), err.err[-2000:]

@@ -8,9 +8,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'BEST', 'RUN_FILES', 'LOCK', 'rng_state',
            'set_rng_state', 'checkpoints', 'write_manifest', 'checkpoint_problem', 'latest_checkpoint',
            'save_checkpoint', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError',
-           'load_checkpoint', 'checkpoint_step', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record',
-           'clear_run', 'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
-           'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
+           'check_adapter_names', 'load_checkpoint', 'checkpoint_step', 'config_changes', 'resume_checkpoint', 'run_in',
+           'best_record', 'clear_run', 'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir',
+           'check_resume_into', 'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
 import contextlib, errno, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys
@@ -161,6 +161,16 @@ def save_failed(e: Exception, out: Path, name: str, model, optimizer, final: boo
 class CheckpointError(ConfigError):
     "A checkpoint that cannot be trusted or read; the message names it and what is wrong."
 
+def check_adapter_names(path: Path, model, weights: dict):
+    "Refuse an adapter file whose tensor names are not the model's adapter's (peft would load it, ignoring missing and extra names)."
+    from peft.utils import get_peft_model_state_dict
+    want = set(get_peft_model_state_dict(model))
+    wrong = {"missing": sorted(want - set(weights)), "unknown": sorted(set(weights) - want)}
+    if not any(wrong.values()): return
+    said = "; ".join(f"{k} tensors: {len(ns)} ({ns[0]}{', ...' if len(ns) > 1 else ''})" for k, ns in wrong.items() if ns)
+    raise CheckpointError(f"{path / 'adapter' / 'adapter_model.safetensors'} does not match this model's adapter ({said}): it was "
+                          "altered, or written for another model or adapter setting; use another checkpoint")
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
     "Restore weights, optimizer, scheduler and RNG from a checkpoint (checked against its manifest unless `verify=False`); return its trainer state. Only tensors and plain data are loaded: nothing in a checkpoint can run code."
     path = Path(path)
@@ -170,7 +180,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
             weights = load_file(path / "adapter" / "adapter_model.safetensors")
-            if not is_sharded(model): set_peft_model_state_dict(model, weights)
+            if not is_sharded(model): check_adapter_names(path, model, weights); set_peft_model_state_dict(model, weights)
             else:                  # peft saves parameter names without the adapter's: put it back
                 name = f".{model.active_adapter}"
                 weights = {n: weights[n.replace(name, "")] for n, q in model.named_parameters()
@@ -184,6 +194,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
         else: optimizer.load_state_dict(t["optimizer"])
         scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
         return json.loads((path / "trainer_state.json").read_text())
+    except CheckpointError: raise
     except pickle.UnpicklingError:
         raise CheckpointError(f"{path / 'training.pt'} holds objects other than tensors and plain data, which are not loaded "
                               "(unpickling them could run code): it was altered, or written by an older mmrgrpo") from None

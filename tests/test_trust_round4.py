@@ -185,3 +185,23 @@ def test_a_failed_best_checkpoint_save_is_an_error_not_a_claim(tmp_path, monkeyp
         f"error: save_best: {out / BEST} was not written for the best held-out evaluation (eval/accuracy 0.500 after step 1; "
         f"the warning above says why), there is no best-checkpoint; the final checkpoint is {out / 'checkpoint-2'}: free space "
         f"or remove what holds the name {BEST}, then train again"), err.err[-2000:]
+
+
+# --- 9: an adapter whose tensor names were changed or half removed is refused, naming them
+
+@pytest.mark.parametrize("change", ["renamed", "half removed"])
+def test_an_adapter_with_changed_tensor_names_is_refused(change, finished_run, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from mmrgrpo.checkpoints import load_checkpoint, write_manifest
+    from test_runs import fresh_policy
+    ck = copy_run(finished_run, tmp_path / "run") / "checkpoint-2"
+    path = ck / "adapter" / "adapter_model.safetensors"
+    weights = load_file(path); keys = sorted(weights)
+    if change == "renamed": weights = {k.replace("lora_B", "lora_b"): v for k, v in weights.items()}
+    else: weights = {k: weights[k] for k in keys[: len(keys) // 2]}
+    save_file(weights, path); write_manifest(ck)                       # the manifest rewritten to match
+    with pytest.raises(CheckpointError) as e: load_checkpoint(ck, *fresh_policy(cfg(tmp_path / "x")))
+    first_missing = sorted(set(keys) - set(weights))[0]
+    assert str(e.value).startswith(f"{path} does not match this model's adapter (missing tensors: "), str(e.value)
+    assert first_missing in str(e.value) and ("unknown tensors" in str(e.value)) == (change == "renamed"), str(e.value)
+    assert str(e.value).endswith("use another checkpoint") and "\n" not in str(e.value)

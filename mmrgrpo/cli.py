@@ -6,8 +6,8 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/cli.html.md"""
 
 # %% auto #0
 __all__ = ['DEMO', 'MODEL_FIELDS', 'DEMO_MARK', 'summary_table', 'user_errors', 'option_hint', 'protect_named_folder', 'main',
-           'run_command', 'keep_config_file', 'interrupted', 'evaluate_command', 'with_checkpoint_model', 'demo',
-           'claim_demo_folder', 'leave_process_group']
+           'run_command', 'keep_config_file', 'interrupted', 'evaluate_command', 'held_out_tasks',
+           'with_checkpoint_model', 'demo', 'claim_demo_folder', 'leave_process_group']
 
 # %% ../nbs/45_cli.ipynb #47692ee1
 import argparse, json, sys, time
@@ -116,12 +116,10 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
     from mmrgrpo.kvcache import reserve_cache
-    from mmrgrpo.data import load_tasks
     from mmrgrpo.trainer import build_prompt, eval_source, run_eval, fit_prompts
     if c.eval_size < 1: raise ConfigError(f"eval_size={c.eval_size}: mmrgrpo eval needs at least 1 held-out task")
     if checkpoint: c = with_checkpoint_model(c, Path(checkpoint))
-    src = eval_source(c)
-    tasks = load_tasks(src, "test", limit=c.eval_size, skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir)
+    src, tasks = eval_source(c), held_out_tasks(c)
     model, tok = load_policy(c)
     tasks = fit_prompts(tok, c, tasks, src, "test")[0]
     if checkpoint:
@@ -133,6 +131,17 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
                 [t["answer"] for t in tasks], c, tok, progress=True)
     print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # the per-task list is for files
     return 0
+
+def held_out_tasks(c: GRPOConfig) -> list:
+    "The tasks `mmrgrpo eval` scores: those a training run with this `eval_size` holds out of a file task (which has no test split), else the test split's first `eval_size`."
+    from mmrgrpo.data import holds_out_rows, load_tasks
+    from mmrgrpo.trainer import eval_source, load_run_data
+    if not holds_out_rows(c.task, c.eval_task):
+        return load_tasks(eval_source(c), "test", limit=c.eval_size, skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir)
+    tasks = load_run_data(c).eval_tasks
+    print(f"eval: {c.task} is a file: scoring the {len(tasks)} rows that a training run with eval_size={c.eval_size} holds out "
+          "of it (never trained on)", file=sys.stderr)
+    return tasks
 
 MODEL_FIELDS = ("model", "gguf_file", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit")
 

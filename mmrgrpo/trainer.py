@@ -8,12 +8,12 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 __all__ = ['MAX_CHARS_PER_TOKEN', 'StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval',
            'train', 'save_after_step', 'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best',
            'best_not_written', 'run_steps', 'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data',
-           'fit_run_data', 'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step',
-           'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions',
-           'plot_rewards']
+           'same_file', 'fit_run_data', 'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'resume',
+           'report_step', 'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt',
+           'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
-import functools, io, random, sys, time
+import functools, io, os, random, sys, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .config import GRPOConfig, ConfigError, check_config, prompts_to_sample
 from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
+from .data import _is_file as is_file_source
 from .prompts import format_prompt, default_shots, check_prompt_lengths
 from .verifier_pool import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
@@ -296,6 +297,9 @@ class RunData:
 
 def load_run_data(c: GRPOConfig) -> RunData:
     "Training and held-out tasks as the config says; a file task with no `eval_task` holds out a seeded split of its rows."
+    if c.eval_size and same_file(c.task, c.eval_task):
+        raise ConfigError(f"eval_task={c.eval_task!r} is the file task={c.task!r} names, so every held-out row would be a training "
+                          f"row: leave eval_task out (the run then holds eval_size={c.eval_size} rows of it out) or name other data")
     load_kw = dict(skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir, gold_timeout=c.reward_timeout, return_skipped=True)
     train_tasks = task_source(c.task, seed=c.seed, **load_kw)
     train_tasks, skipped = train_tasks if isinstance(train_tasks, tuple) else (train_tasks, 0)     # a stream skips nothing
@@ -304,6 +308,13 @@ def load_run_data(c: GRPOConfig) -> RunData:
     else:
         eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw) if c.eval_size else ([], 0)
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
+
+def same_file(a: str, b: str) -> bool:
+    "Whether task sources `a` and `b` are both files and the same one (after `~`, links and relative paths)."
+    if not (a and b and is_file_source(a) and is_file_source(b)): return False
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    try: return os.path.samefile(a, b)
+    except OSError: return a.resolve() == b.resolve()
 
 def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
     "Drop (skip_bad_rows) or refuse prompts longer than `max_prompt_length`, now that the tokenizer is here; build the held-out prompts."

@@ -205,3 +205,35 @@ def test_an_adapter_with_changed_tensor_names_is_refused(change, finished_run, t
     assert str(e.value).startswith(f"{path} does not match this model's adapter (missing tensors: "), str(e.value)
     assert first_missing in str(e.value) and ("unknown tensors" in str(e.value)) == (change == "renamed"), str(e.value)
     assert str(e.value).endswith("use another checkpoint") and "\n" not in str(e.value)
+
+
+# --- 8: eval_task naming the task's own file is refused; `mmrgrpo eval` on a file scores the rows a run holds out
+
+def questions_file(tmp_path) -> Path:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(12)))
+    return path
+
+
+@pytest.mark.parametrize("how", ["same path", "relative", "link"])
+def test_eval_task_naming_the_training_file_is_refused(how, tmp_path, monkeypatch, no_model):
+    path = questions_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    other = {"same path": str(path), "relative": "tasks.jsonl", "link": str(tmp_path / "link.jsonl")}[how]
+    if how == "link": (tmp_path / "link.jsonl").symlink_to(path)
+    with pytest.raises(ConfigError) as e: train(cfg(tmp_path / "run", task=str(path), eval_task=other, eval_size=2), progress=False)
+    assert str(e.value) == (f"eval_task={other!r} is the file task={str(path)!r} names, so every held-out row would be a "
+                            "training row: leave eval_task out (the run then holds eval_size=2 rows of it out) or name other data")
+
+
+def test_mmrgrpo_eval_on_a_file_scores_the_rows_a_run_holds_out(tmp_path, monkeypatch, capsys):
+    from mmrgrpo.data import load_tasks, split_held_out
+    path = questions_file(tmp_path)
+    trained, held = split_held_out(load_tasks(str(path)), 3, str(path))
+    assert [t["question"] for t in held] != [t["question"] for t in load_tasks(str(path), limit=3)]   # not the first rows
+    scored = []
+    monkeypatch.setattr(T, "run_eval", lambda backend, prompts, *a, **k: scored.extend(prompts) or {"eval/accuracy": 0.0})
+    assert main(["eval", "model=tiny-random", f"task={path}", "eval_size=3"]) == 0
+    assert [[t["question"] for t in held if t["question"] in p] for p in scored] == [[t["question"]] for t in held]
+    assert not any(t["question"] in p for p in scored for t in trained)
+    assert f"eval: {path} is a file: scoring the 3 rows that a training run with eval_size=3 holds out" in capsys.readouterr().err

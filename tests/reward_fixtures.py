@@ -62,3 +62,11 @@ def term_group_while_verifying(prompts, completions, **kwargs):
     from mmrgrpo.verifier_pool import verify_batch
     golds = ["term"] + ["1"] * (len(completions) - 1)
     return verify_batch(golds, completions, timeout=30, _score_fn=_term_trainer_then_score)
+
+
+def leaves_a_thread_running(prompts, completions, **kwargs):
+    "Starts a thread-pool job that never ends (and never shuts the pool down), then scores like `varied`."
+    import concurrent.futures, time
+    global _POOL
+    if "_POOL" not in globals(): _POOL = concurrent.futures.ThreadPoolExecutor(1); _POOL.submit(time.sleep, 3600)
+    return varied(prompts, completions)

@@ -237,3 +237,15 @@ def test_mmrgrpo_eval_on_a_file_scores_the_rows_a_run_holds_out(tmp_path, monkey
     assert [[t["question"] for t in held if t["question"] in p] for p in scored] == [[t["question"]] for t in held]
     assert not any(t["question"] in p for p in scored for t in trained)
     assert f"eval: {path} is a file: scoring the 3 rows that a training run with eval_size=3 holds out" in capsys.readouterr().err
+
+
+# --- 5: a thread a reward function leaves running does not keep the process alive after the run
+
+def test_a_thread_left_running_by_a_reward_does_not_hold_the_process(tmp_path):
+    code = "from mmrgrpo.cli import entry; entry()"
+    p = subprocess.run([sys.executable, "-c", code, *args(tmp_path / "run", steps=1,
+                        reward_funcs=["reward_fixtures:leaves_a_thread_running"])],
+                       env=child_env(), capture_output=True, text=True, timeout=240)   # (before the fix it never ended)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "WARNING: exiting without waiting for a thread still running 10 s after the command ended" in p.stderr, p.stderr[-2000:]
+    assert names(tmp_path / "run") == ["checkpoint-1"]

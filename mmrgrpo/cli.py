@@ -109,7 +109,8 @@ def run_command(args) -> int:
     c = load_config(args.config, overrides)
     if args.command == "eval": return evaluate_command(c, args.checkpoint)
     keep_config_file(args.config, c)
-    (Path(c.output_dir) / DEMO_MARK).unlink(missing_ok=True)       # a train run there is no longer the demo's to replace
+    with contextlib.suppress(OSError):          # a train run there is no longer the demo's to replace (checked by `train`)
+        (Path(c.output_dir) / DEMO_MARK).unlink(missing_ok=True)
     from mmrgrpo.trainer import train, plot_rewards
     from mmrgrpo.distributed import dist_info
     res = train(c)

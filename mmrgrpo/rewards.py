@@ -134,8 +134,9 @@ def reward_name(func) -> str:
 _F32_MAX = 3.4028234663852886e38      # the largest float32: rewards are summed in float64, then used in float32
 
 def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
-    "(output, None) or (None, the exception). One of ours (`has_own_time_limit`) runs here; any other in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
+    "(output, None) or (None, the exception). One of ours (`has_own_time_limit`) runs here; a named one in its process (`call_within`); any other in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
     inner = func.func if isinstance(func, functools.partial) else func      # the trainer wraps accuracy_reward in a partial
+    if timeout is not None and hasattr(func, "call_within"): return func.call_within(kwargs, timeout)   # in its own process
     if timeout is not None and getattr(inner, "own_time_limit", False) is not True: return call_with_timeout(func, kwargs, timeout)
     try: return func(**kwargs), None
     except Exception as e: return None, e

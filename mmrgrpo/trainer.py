@@ -347,7 +347,7 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     embedder = load_embedder(c.embedding_model, trust_remote_code=c.trust_remote_code) if c.reweight != "none" else None
     reward_funcs = [functools.partial(f, reward_timeout=c.reward_timeout) if f in VERIFIED_REWARDS else f
-                    for f in get_reward_funcs(c.reward_funcs)]
+                    for f in get_reward_funcs(c.reward_funcs, own_process=True)]
     model = shard_policy(model, c)       # FSDP2 (in place) after the reference copy, before the optimizer takes the shards
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.learning_rate,
                                   weight_decay=c.weight_decay)

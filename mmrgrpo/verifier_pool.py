@@ -11,6 +11,7 @@ __all__ = ['BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'shutdown_verifier', 'verify_b
 # %% ../nbs/10a_verifier_pool.ipynb #f2012935
 import atexit, importlib, os, pickle, signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
+from .safety import NamedFunctionProcess, exit_with_parent
 from .rewards import (_as_text, _gold_cached, _not_a_gold, _score_pair, count_failures, has_own_time_limit,
                              length_scaled, format_reward)
 
@@ -18,11 +19,7 @@ from .rewards import (_as_text, _gold_cached, _not_a_gold, _score_pair, count_fa
 def _worker_main(fd: int):
     "The body of a verifier process: warm up, say 'ready', then score pickled pairs until the parent closes the pipe or dies."
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is for the trainer; it stops us by closing the pipe
-    parent = os.getppid()
-    def exit_with_parent():
-        while os.getppid() == parent: time.sleep(1.0)
-        os._exit(0)
-    threading.Thread(target=exit_with_parent, daemon=True).start()
+    exit_with_parent()
     conn = Connection(fd)
     _score_pair("1", "\\boxed{1}")                 # import SymPy and compile math-verify's patterns before any clock runs
     conn.send("ready")
@@ -213,6 +210,8 @@ def _load_reward_func(name: str):
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 
-def get_reward_funcs(names: list[str]) -> list:
-    "The reward functions for config names: 'accuracy', 'format', 'cosine', or 'package.module:function'."
-    return [_load_reward_func(n) for n in ([names] if isinstance(names, str) else names)]
+def get_reward_funcs(names: list[str], own_process: bool = False) -> list:
+    "The reward functions for config names: 'accuracy', 'format', 'cosine', or 'package.module:function' (`own_process`: called in a `NamedFunctionProcess`, which its time limit can stop)."
+    names = [names] if isinstance(names, str) else names
+    funcs = [_load_reward_func(n) for n in names]            # imported here too: a module that cannot load fails at once
+    return [NamedFunctionProcess(n, f) if own_process and n not in BUILTIN_REWARDS else f for n, f in zip(names, funcs)]

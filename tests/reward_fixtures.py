@@ -46,7 +46,8 @@ def mutates(prompts, completions, **kwargs):
 def sends_sigint(prompts, completions, **kwargs):
     "The user's Ctrl-C arrives while the reward functions run (sent here, so it comes at that moment)."
     import os, signal
-    os.kill(os.getpid(), signal.SIGINT)
+    trainer = os.getppid() if os.environ.get("MMRGRPO_FUNCTION_PROCESS") else os.getpid()   # called in its own process, or not
+    os.kill(trainer, signal.SIGINT)
     return varied(prompts, completions)
 
 
@@ -69,4 +70,11 @@ def leaves_a_thread_running(prompts, completions, **kwargs):
     import concurrent.futures, time
     global _POOL
     if "_POOL" not in globals(): _POOL = concurrent.futures.ThreadPoolExecutor(1); _POOL.submit(time.sleep, 3600)
+    return varied(prompts, completions)
+
+
+def holds_the_interpreter(prompts, completions, **kwargs):
+    "A backtracking regular expression: it holds the interpreter (the GIL) for about 20 s on a laptop, then scores like `varied`."
+    import re
+    re.match(r"(a+)+$", "a" * 28 + "b")
     return varied(prompts, completions)

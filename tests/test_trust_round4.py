@@ -249,3 +249,11 @@ def test_a_thread_left_running_by_a_reward_does_not_hold_the_process(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "WARNING: exiting without waiting for a thread still running 10 s after the command ended" in p.stderr, p.stderr[-2000:]
     assert names(tmp_path / "run") == ["checkpoint-1"]
+
+
+# --- 4: a named reward function that holds the interpreter is stopped by its time limit (it runs in its own process)
+
+def test_a_reward_holding_the_interpreter_is_stopped_by_its_time_limit(tmp_path, capsys):
+    assert main(args(tmp_path / "run", steps=1, reward_funcs=["reward_fixtures:holds_the_interpreter"], reward_timeout=0.05)) == 2
+    assert err_lines(capsys)[-1] == ("error: reward function 'holds_the_interpreter' took more than 0.4 s for 8 completions "
+                                     "(reward_timeout=0.05 s per completion)"), err_lines(capsys)[-3:]

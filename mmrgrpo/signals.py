@@ -29,7 +29,7 @@ def _kept_ignored(s) -> bool:
 class StopSignals:
     "SIGINT/SIGTERM/SIGHUP handlers and a guard on stdout/stderr for a run (main thread only; the previous ones come back on exit). While `defer` is on (steps are running) a first signal, or a lost output stream, only sets `signum`, so the step ends and is saved, or, past `STOP_GRACE_S`, is abandoned (`overdue`); otherwise, or at a second signal, `TrainingInterrupted` is raised at once."
     def __init__(self, out: Path):
-        self.out, self.signum, self.defer, self.at, self.reason = Path(out), None, False, None, None
+        self.out, self.signum, self.defer, self.at, self.reason, self.signals = Path(out), None, False, None, None, 0
         self.old, self.streams = {}, {}        # the signal handlers and the output streams to put back on exit
 
     def __enter__(self):
@@ -51,8 +51,9 @@ class StopSignals:
         return True
 
     def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.defer and self._ask(signum, name):
+        name, self.signals = signal.Signals(signum).name, self.signals + 1
+        if self.defer and self.signals == 1:             # the first signal (a lost output before it does not count)
+            self._ask(signum, name)
             _say(f"\n{name}: finishing this step (given up after {STOP_GRACE_S:g} s, at the next token or micro-batch), then saving a checkpoint ({name} "
                  "again stops at once)\n")
             return

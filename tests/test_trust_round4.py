@@ -121,6 +121,13 @@ def test_a_closed_stdout_pipe_in_a_cli_run_saves_and_exits_141(tmp_path):
     assert "Traceback" not in p.stderr and names(out) == ["checkpoint-1"]
 
 
+def test_the_terminals_sighup_after_its_lost_output_is_still_a_first_signal(tmp_path):
+    from mmrgrpo.signals import StopSignals
+    stop = StopSignals(tmp_path); stop.defer = True
+    stop.lost_output("stdout", OSError(errno.EIO, os.strerror(errno.EIO)))     # a write failed before the hang-up arrived
+    stop._handle(signal.SIGHUP, None)                                          # not "again": the step still ends and is saved
+    assert stop.requested() and stop.why() == "stdout was lost (OSError: Input/output error)"
+
 # --- 2: nohup's SIGHUP ignore is kept
 
 def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):

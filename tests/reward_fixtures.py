@@ -58,13 +58,6 @@ def _term_trainer_then_score(gold, completion):
     return 1.0
 
 
-def term_group_while_verifying(prompts, completions, **kwargs):
-    "SIGTERM reaches the trainer's process group while the verifier processes score; every completion scores 1."
-    from mmrgrpo.verifier_pool import verify_batch
-    golds = ["term"] + ["1"] * (len(completions) - 1)
-    return verify_batch(golds, completions, timeout=30, _score_fn=_term_trainer_then_score)
-
-
 def leaves_a_thread_running(prompts, completions, **kwargs):
     "Starts a thread-pool job that never ends (and never shuts the pool down), then scores like `varied`."
     import concurrent.futures, time

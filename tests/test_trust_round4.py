@@ -146,11 +146,21 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
 
 # --- 3: SIGTERM to the process group while rewards run leaves the verifier processes scoring
 
+TERM_WHILE_VERIFYING = """
+import sys, mmrgrpo.verifier_pool as V, reward_fixtures as F
+real = V.verify_batch
+def verify_batch(golds, completions, timeout=2.0, _score_fn=None):     # the first pair's worker sends the SIGTERM
+    return real(["term"] + ["1"] * (len(golds) - 1), completions, timeout, _score_fn=F._term_trainer_then_score)
+V.verify_batch = verify_batch
+from mmrgrpo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_path):
     out = tmp_path / "run"
-    code = "import sys; from mmrgrpo.cli import main; sys.exit(main(sys.argv[1:]))"
-    p = subprocess.run([sys.executable, "-c", code, *args(out, steps=3, save_every=5,
-                        reward_funcs=["reward_fixtures:term_group_while_verifying"])],
+    p = subprocess.run([sys.executable, "-c", TERM_WHILE_VERIFYING, *args(out, steps=3, save_every=5, task="arithmetic:1",
+                        reward_funcs=["accuracy"])],
                        env={**child_env(), "MMRGRPO_REWARD_WORKERS": "2"}, capture_output=True, text=True, timeout=600,
                        start_new_session=True)          # its own process group, as a scheduler's job has
     assert p.returncode == 143, p.stderr[-3000:]
@@ -158,8 +168,7 @@ def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_
                                                  "(resume_from=latest continues from it)"), p.stderr[-3000:]
     from mmrgrpo.runlog import read_metrics
     row = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step") == 1][0]
-    assert (row["rewards/errors"], row["rewards/term_group_while_verifying"]) == (0, 1.0), row
-
+    assert (row["rewards/errors"], row["rewards/accuracy_reward"]) == (0, 1.0), row
 
 # --- 6: a reward module that calls sys.exit on import is an error, not "exit 0, nothing trained"
 

@@ -58,14 +58,6 @@ def _term_trainer_then_score(gold, completion):
     return 1.0
 
 
-def leaves_a_thread_running(prompts, completions, **kwargs):
-    "Starts a thread-pool job that never ends (and never shuts the pool down), then scores like `varied`."
-    import concurrent.futures, time
-    global _POOL
-    if "_POOL" not in globals(): _POOL = concurrent.futures.ThreadPoolExecutor(1); _POOL.submit(time.sleep, 3600)
-    return varied(prompts, completions)
-
-
 def holds_the_interpreter(prompts, completions, **kwargs):
     "A backtracking regular expression: it holds the interpreter (the GIL) for about 20 s on a laptop, then scores like `varied`."
     import re

@@ -260,7 +260,7 @@ def test_mmrgrpo_eval_on_a_file_scores_the_rows_a_run_holds_out(tmp_path, monkey
 def test_a_thread_left_running_by_a_reward_does_not_hold_the_process(tmp_path):
     code = "from mmrgrpo.cli import entry; entry()"
     p = subprocess.run([sys.executable, "-c", code, *args(tmp_path / "run", steps=1,
-                        reward_funcs=["reward_fixtures:leaves_a_thread_running"])],
+                        reward_funcs=["leaves_a_thread:reward"])],
                        env=child_env(), capture_output=True, text=True, timeout=240)   # (before the fix it never ended)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "WARNING: exiting without waiting for a thread still running 10 s after the command ended" in p.stderr, p.stderr[-2000:]

@@ -8,9 +8,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 __all__ = ['CHECKPOINT_NAME', 'MANIFEST', 'CHECKPOINT_FILES', 'RESUMABLE', 'BEST', 'RUN_FILES', 'LOCK', 'rng_state',
            'set_rng_state', 'checkpoints', 'write_manifest', 'checkpoint_problem', 'latest_checkpoint',
            'save_checkpoint', 'CheckpointSaveError', 'free_bytes', 'checkpoint_bytes', 'save_failed', 'CheckpointError',
-           'trainer_state', 'load_checkpoint', 'config_changes', 'resume_checkpoint', 'run_in', 'best_record',
-           'clear_run', 'prepare_output_dir', 'output_dir_lock', 'refuse_link', 'check_output_dir', 'check_resume_into',
-           'check_no_later_checkpoints', 'where_to_resume', 'TrainingInterrupted']
+           'trainer_state', 'check_adapter_names', 'load_checkpoint', 'checkpoint_step', 'config_changes',
+           'resume_checkpoint', 'run_in', 'best_record', 'clear_run', 'prepare_output_dir', 'output_dir_lock',
+           'refuse_link', 'check_output_dir', 'check_resume_into', 'check_no_later_checkpoints', 'where_to_resume',
+           'TrainingInterrupted']
 
 # %% ../nbs/42_checkpoints.ipynb #9dd9620a
 import contextlib, errno, hashlib, json, os, pickle, random, re, shutil, signal, socket, sys
@@ -172,6 +173,16 @@ def trainer_state(ck) -> dict:
         raise CheckpointError(f"{path}: step={short_repr(step)} is not a step number (the file was altered): use another checkpoint")
     return state
 
+def check_adapter_names(path: Path, model, weights: dict):
+    "Refuse an adapter file whose tensor names are not the model's adapter's (peft would load it, ignoring missing and extra names)."
+    from peft.utils import get_peft_model_state_dict
+    want = set(get_peft_model_state_dict(model))
+    wrong = {"missing": sorted(want - set(weights)), "unknown": sorted(set(weights) - want)}
+    if not any(wrong.values()): return
+    said = "; ".join(f"{k} tensors: {len(ns)} ({ns[0]}{', ...' if len(ns) > 1 else ''})" for k, ns in wrong.items() if ns)
+    raise CheckpointError(f"{path / 'adapter' / 'adapter_model.safetensors'} does not match this model's adapter ({said}): it was "
+                          "altered, or written for another model or adapter setting; use another checkpoint")
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
     "Restore weights, optimizer, scheduler and RNG from a checkpoint (checked against its manifest unless `verify=False`); return its trainer state. Only tensors and plain data are loaded: nothing in a checkpoint can run code."
     path = Path(path)
@@ -181,7 +192,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
             weights = load_file(path / "adapter" / "adapter_model.safetensors")
-            if not is_sharded(model): set_peft_model_state_dict(model, weights)
+            if not is_sharded(model): check_adapter_names(path, model, weights); set_peft_model_state_dict(model, weights)
             else:                  # peft saves parameter names without the adapter's: put it back
                 name = f".{model.active_adapter}"
                 weights = {n: weights[n.replace(name, "")] for n, q in model.named_parameters()
@@ -195,6 +206,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True
         else: optimizer.load_state_dict(t["optimizer"])
         scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
         return trainer_state(path)
+    except CheckpointError: raise
     except pickle.UnpicklingError:
         raise CheckpointError(f"{path / 'training.pt'} holds objects other than tensors and plain data, which are not loaded "
                               "(unpickling them could run code): it was altered, or written by an older mmrgrpo") from None
@@ -207,6 +219,10 @@ RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completion
              "overwrite", "threads", "data_dir", "micro_batch_size", "logp_chunk_size", "gradient_checkpointing", "share_prompt",
              "max_nonfinite_steps", "vllm_gpu_memory_utilization", "vllm_sleep", "fused_decode", "fused_head", "keep_freed_memory",
              "bf16_base", "pack_completions", "save_best")
+
+def checkpoint_step(ck: Path) -> int:
+    "The step a checkpoint was saved after, from its trainer_state.json."
+    return trainer_state(ck)["step"]
 
 def config_changes(ck: Path, c: GRPOConfig) -> dict:
     "{field: (the checkpoint's value, `c`'s)} for each field that differs; a field the checkpoint's config lacks counts as its default."
@@ -223,6 +239,8 @@ def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
         if ck is None: raise ConfigError(f"resume_from='latest' but {out} holds no complete checkpoint that verifies: "
                                          "start a new run there with overwrite=true")
     elif why := checkpoint_problem(ck := Path(c.resume_from)): raise CheckpointError(f"resume_from={c.resume_from!r} cannot be used: {why}")
+    if c.steps <= (step := checkpoint_step(ck)):
+        raise ConfigError(f"steps={c.steps}: {ck} is already at step {step}, so resuming would train nothing: set steps above {step}")
     changes = config_changes(ck, c)
     if fixed := {k: v for k, v in changes.items() if k not in RESUMABLE}:
         raise ConfigError(f"resume_from={c.resume_from!r}: {ck} was trained with " + ", ".join(f"{k}={a!r}" for k, (a, b) in fixed.items())
@@ -325,7 +343,7 @@ def check_output_dir(out: Path):
     "Refuse, in one line, an `output_dir` that cannot hold a run: a file, inside a checkpoint, not creatable, or holding links where the run writes."
     out = Path(os.path.abspath(out))
     if out.exists() and not out.is_dir(): raise ConfigError(f"output_dir={str(out)!r} is a file: name a folder")
-    if ck := _inside_checkpoint(out):
+    if ck := _inside_checkpoint(out.resolve()):      # resolved: a link to a checkpoint is that checkpoint
         raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; choose a folder "
                           "outside every checkpoint-<step> folder")
     try: out.mkdir(parents=True, exist_ok=True)
@@ -346,7 +364,7 @@ def check_resume_into(out: Path, ck: Path):
 
 def check_no_later_checkpoints(out: Path, ck: Path):
     "A verified checkpoint `ck` continues in `out` only if `out` holds no later `checkpoint-<step>` (of the run that went on past it)."
-    step = trainer_state(ck)["step"]
+    step = checkpoint_step(ck)
     if later := [p.name for p in checkpoints(out) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) > step]:
         raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, which went on to {', '.join(later)}: "
                           "a run continuing there would mix its checkpoints with those (and rotating them would remove its "

@@ -14,7 +14,7 @@ __all__ = ['BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'parse_gold', 'extract_boxed',
 import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
-from .safety import call_with_timeout, clip_text as _clip
+from .safety import NamedFunctionProcess, call_with_timeout, clip_text as _clip, exit_with_parent
 
 # %% ../nbs/10_rewards.ipynb #a4909075
 for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
@@ -137,8 +137,9 @@ def reward_name(func) -> str:
 _F32_MAX = 3.4028234663852886e38      # the largest float32: rewards are summed in float64, then used in float32
 
 def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
-    "(output, None) or (None, the exception). One of ours (`has_own_time_limit`) runs here; any other in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
+    "(output, None) or (None, the exception). One of ours (`has_own_time_limit`) runs here; a named one in its process (`call_within`); any other in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
     inner = func.func if isinstance(func, functools.partial) else func      # the trainer wraps accuracy_reward in a partial
+    if timeout is not None and hasattr(func, "call_within"): return func.call_within(kwargs, timeout)   # in its own process
     if timeout is not None and getattr(inner, "own_time_limit", False) is not True: return call_with_timeout(func, kwargs, timeout)
     try: return func(**kwargs), None
     except Exception as e: return None, e
@@ -225,11 +226,7 @@ def _in_float32(total, on_error: str, metrics: dict):
 def _worker_main(fd: int):
     "The body of a verifier process: warm up, say 'ready', then score pickled pairs until the parent closes the pipe or dies."
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is for the trainer; it stops us by closing the pipe
-    parent = os.getppid()
-    def exit_with_parent():
-        while os.getppid() == parent: time.sleep(1.0)
-        os._exit(0)
-    threading.Thread(target=exit_with_parent, daemon=True).start()
+    exit_with_parent()
     conn = Connection(fd)
     _score_pair("1", "\\boxed{1}")                 # import SymPy and compile math-verify's patterns before any clock runs
     conn.send("ready")
@@ -250,7 +247,9 @@ class _Worker:
     def __init__(self):
         self.conn, theirs = Pipe()
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_START, str(theirs.fileno()), *sys.path],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     start_new_session=True)   # a signal to the trainer's group (a scheduler's SIGTERM, a
+        # closed terminal's SIGHUP) must not kill the pairs being scored: the trainer ends them, or they follow it when it dies
         theirs.close()
         self.ready, self.task, self.deadline = False, None, time.monotonic() + _STARTUP_TIMEOUT
 
@@ -414,7 +413,7 @@ def _load_reward_func(name: str):
         builtin = ", ".join(map(repr, BUILTIN_REWARDS))
         raise ValueError(f"unknown reward function {name!r}: use {builtin} or 'package.module:function'")
     try: mod = importlib.import_module(module)       # runs the module's code: a config naming it is code
-    except Exception as e:
+    except (Exception, SystemExit) as e:             # a stray sys.exit() in the module must not end the run with "success"
         fix = " (install it, or put its folder on PYTHONPATH)" if isinstance(e, ModuleNotFoundError) else ""
         raise ValueError(f"cannot load reward function {name!r}: importing {module!r} raised {type(e).__name__}: {e}{fix}") from e
     if not hasattr(mod, attr): raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")
@@ -422,6 +421,8 @@ def _load_reward_func(name: str):
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 
-def get_reward_funcs(names: list[str]) -> list:
-    "The reward functions for config names: 'accuracy', 'format', 'cosine', or 'package.module:function'."
-    return [_load_reward_func(n) for n in ([names] if isinstance(names, str) else names)]
+def get_reward_funcs(names: list[str], own_process: bool = False) -> list:
+    "The reward functions for config names (built-in or 'package.module:function'); `own_process`: named ones in a process."
+    names = [names] if isinstance(names, str) else names
+    funcs = [_load_reward_func(n) for n in names]            # imported here too: a module that cannot load fails at once
+    return [NamedFunctionProcess(n, f) if own_process and n not in BUILTIN_REWARDS else f for n, f in zip(names, funcs)]

@@ -6,13 +6,13 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval', 'train', 'save_after_step',
-           'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'run_steps', 'eval_before_training',
-           'eval_after_training', 'RunData', 'load_run_data', 'fit_run_data', 'make_backend', 'build_step_tools',
-           'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source', 'build_prompt', 'step_seed',
-           'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
+           'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'best_not_written', 'run_steps',
+           'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'same_file', 'fit_run_data',
+           'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source',
+           'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
-import functools, io, random, sys, time
+import functools, io, os, random, sys, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from .config import GRPOConfig, ConfigError, MAX_CHARS_PER_TOKEN, check_config, prompts_to_sample
 from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
+from .data import _is_file as is_file_source
 from .prompts import format_prompt, default_shots, check_prompt_lengths
 from .verifier_pool import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
@@ -37,7 +38,7 @@ from .bf16_update import wants_bf16_base, bf16_frozen_base
 from .matmul_attention import wants_matmul_attention
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
-                                 best_record)
+                                 best_record, CheckpointSaveError)
 from .signals import StopSignals
 from .step import score, advantages_for, prune, update, rollout_metrics, check_step_memory
 
@@ -166,6 +167,7 @@ class Run:
     logger: MetricsLogger
     evaluate_now: object             # held-out evaluation of the policy as it is now
     first_metrics: dict              # logged once, in step 1's row: the run's dtypes and sampler
+    best_lost: dict = None           # save_best: a better evaluation whose best-checkpoint could not be written
 
 def eval_line(when: str, metrics: dict) -> str:
     "An evaluation's float metrics on one line."
@@ -192,10 +194,23 @@ def keep_if_best(run: Run, step: int, metrics: dict):
     acc = metrics.get("eval/accuracy")
     if not run.c.save_best or acc is None: return
     acc = all_reduce_sum(acc) / run.world       # one decision on every process (a sharded model's save is a collective)
-    if (best := run.state.get("best")) is not None and acc <= best["eval/accuracy"]: return
-    run.state["best"] = {"step": step, "eval/accuracy": acc}
+    so_far = [b["eval/accuracy"] for b in (run.state.get("best"), run.best_lost) if b]     # a lost best still counts
+    if so_far and acc <= max(so_far): return
+    previous, run.state["best"] = run.state.get("best"), {"step": step, "eval/accuracy": acc}
     t = run.tools
-    if run.rank == 0 or is_sharded(t.model): save_checkpoint(run.out, step, t.model, t.optimizer, t.scheduler, run.c, run.state, name=BEST)
+    if not (run.rank == 0 or is_sharded(t.model)): return
+    if save_checkpoint(run.out, step, t.model, t.optimizer, t.scheduler, run.c, run.state, name=BEST) is not None:
+        run.best_lost = None
+    elif run.rank == 0: run.state["best"], run.best_lost = previous, dict(run.state["best"])     # (it warned why)
+
+def best_not_written(run: Run) -> CheckpointSaveError:
+    "The error that ends a `save_best` run whose best evaluation's best-checkpoint could not be written."
+    lost, held = run.best_lost, run.state.get("best")
+    return CheckpointSaveError(
+        f"save_best: {run.out / BEST} was not written for the best held-out evaluation (eval/accuracy {lost['eval/accuracy']:.3f} "
+        f"after step {lost['step']}; the warning above says why), "
+        + (f"it holds step {held['step']} (eval/accuracy {held['eval/accuracy']:.3f})" if held else "there is no best-checkpoint")
+        + f"; the final checkpoint is {latest_checkpoint(run.out)}: free space or remove what holds the name {BEST}, then train again")
 
 # %% ../nbs/44_trainer.ipynb #07ee395e
 def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = True) -> list:
@@ -264,6 +279,7 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     eval_before = eval_before_training(run, start)
     rows = run_steps(run, start, stop_after, progress)
     eval_after = eval_after_training(run, stop_after)
+    if run.best_lost: raise best_not_written(run)          # never report a best-checkpoint that is not there
     best = state.get("best") if c.save_best else None       # (a checkpoint of an earlier save_best run may carry one)
     if best and rank == 0: print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
     return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best)
@@ -282,6 +298,9 @@ class RunData:
 
 def load_run_data(c: GRPOConfig) -> RunData:
     "Training and held-out tasks as the config says; a file task with no `eval_task` holds out a seeded split of its rows."
+    if c.eval_size and same_file(c.task, c.eval_task):
+        raise ConfigError(f"eval_task={c.eval_task!r} is the file task={c.task!r} names, so every held-out row would be a training "
+                          f"row: leave eval_task out (the run then holds eval_size={c.eval_size} rows of it out) or name other data")
     load_kw = dict(skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir, gold_timeout=c.reward_timeout, return_skipped=True)
     train_tasks = task_source(c.task, seed=c.seed, **load_kw)
     train_tasks, skipped = train_tasks if isinstance(train_tasks, tuple) else (train_tasks, 0)     # a stream skips nothing
@@ -290,6 +309,13 @@ def load_run_data(c: GRPOConfig) -> RunData:
     else:
         eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw) if c.eval_size else ([], 0)
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
+
+def same_file(a: str, b: str) -> bool:
+    "Whether task sources `a` and `b` are both files and the same one (after `~`, links and relative paths)."
+    if not (a and b and is_file_source(a) and is_file_source(b)): return False
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    try: return os.path.samefile(a, b)
+    except OSError: return a.resolve() == b.resolve()
 
 def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
     "Drop (skip_bad_rows) or refuse prompts longer than `max_prompt_length`, now that the tokenizer is here; build the held-out prompts."
@@ -322,7 +348,7 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     embedder = load_embedder(c.embedding_model, trust_remote_code=c.trust_remote_code) if c.reweight != "none" else None
     reward_funcs = [functools.partial(f, reward_timeout=c.reward_timeout) if f in VERIFIED_REWARDS else f
-                    for f in get_reward_funcs(c.reward_funcs)]
+                    for f in get_reward_funcs(c.reward_funcs, own_process=True)]
     model = shard_policy(model, c)       # FSDP2 (in place) after the reference copy, before the optimizer takes the shards
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.learning_rate,
                                   weight_decay=c.weight_decay)

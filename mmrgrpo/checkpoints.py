@@ -1,4 +1,4 @@
-"""Atomic checkpoints with a manifest, a run's hold on its folder, and resume that refuses to mix runs (stopping on a signal is the next lesson, `43_signals`).
+"""Atomic checkpoints with a manifest, a run's hold on its folder, and resume that refuses to mix runs (stopping on a signal is the next lesson, `43_signals`). (The module is longer than 300 lines because every check a checkpoint or a run folder must pass before a run trusts it lives here.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 

@@ -1,4 +1,4 @@
-"""Math tasks as plain records, drawn deterministically step by step, and checked when they are loaded: bad rows named with their line and the fix, GSM8K and MATH-500 read, held-out rows kept apart.
+"""Math tasks as plain records, drawn deterministically step by step, and checked when they are loaded: bad rows named with their line and the fix, GSM8K and MATH-500 read, held-out rows kept apart. (The module is longer than 300 lines because every check a data row must pass lives with the loaders.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 

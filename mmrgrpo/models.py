@@ -1,4 +1,4 @@
-"""Load a policy from a hub id, a local folder or a GGUF file; wrap it in a LoRA adapter (optionally over 4-bit weights); get the reference model for free.
+"""Load a policy from a hub id, a local folder or a GGUF file; wrap it in a LoRA adapter (optionally over 4-bit weights); get the reference model for free; decide precision and the CPU's fast paths. (The module is longer than 300 lines because every hardware decision lives here, in one place.)
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 

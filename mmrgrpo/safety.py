@@ -180,6 +180,7 @@ def _serve_calls(fd: int, target: str):
             conn.send(("ok", out.tolist() if hasattr(out, "tolist") else out))
         except BaseException as e: conn.send(("error", type(e).__name__, str(e)))
 
+# %% ../nbs/00_safety.ipynb #cec115a8
 _SERVE = "import sys; sys.path[:] = sys.argv[3:]; from mmrgrpo.safety import _serve_calls; _serve_calls(int(sys.argv[1]), sys.argv[2])"
 STARTUP_TIMEOUT_S = 120.0      # seconds a `NamedFunctionProcess` may take to import its module (not counted in a call's limit)
 

@@ -14,6 +14,7 @@ from .distributed import all_reduce_sum
 from .checkpoints import TrainingInterrupted, latest_checkpoint, where_to_resume
 
 # %% ../nbs/43_signals.ipynb #5187febc
+# over 60 lines: StopSignals is one class, its handlers sharing its state
 STOP_GRACE_S = 20.0     # seconds a stop signal waits for the step in progress; then the step is abandoned (see below)
 STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, s))
 
@@ -93,6 +94,7 @@ class StopSignals:
         saved = f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}" else where_to_resume(ck)
         return TrainingInterrupted(f"{self.why()}: stopped after step {step}; {saved}", self.signum)
 
+# %% ../nbs/43_signals.ipynb #9c51e638
 class GuardedOutput:
     "A text stream whose failed write or flush (EPIPE, EIO: the reader or the terminal is gone) calls `on_lost(name, error)` once, points the file descriptor at /dev/null and is silent from then on; each write is flushed, so a failure shows at once."
     def __init__(self, stream, name: str, on_lost): self._stream, self._name, self._on_lost, self._dead = stream, name, on_lost, False

@@ -225,11 +225,10 @@ class UpdateBatch:
     should_stop: object = None       # a function: True when the step must be abandoned
 
     def __post_init__(self):
-        device = next(self.model.parameters()).device       # the update runs on the policy's device: its inputs go there
-        self.rollout, self.advantages = self.rollout.to(device), self.advantages.to(device)     # (no-ops after train_step)
+        # the update runs on the policy's device: its inputs go there (no-ops after train_step)
+        self.rollout, self.advantages = (x.to(next(self.model.parameters()).device) for x in (self.rollout, self.advantages))
         c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)     # mask (N, T)
-        self.group_ids = self.rollout.group_ids
-        device_type = device.type
+        self.group_ids, device_type = self.rollout.group_ids, self.advantages.device.type
         width = counted_lengths(self.mask).tolist() if packing(c, self.model) else self.mask.shape[1]   # what a pass holds of each row
         self.slices = micro_batches(self.group_ids, width, c.micro_batch_size, device_type, update_positions(c, device_type))
         self.scaler = grad_scaler(self.optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)

@@ -325,6 +325,7 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
                    [build_prompt(tokenizer, c, t["question"], data.eval_source) for t in eval_tasks],
                    [t["answer"] for t in eval_tasks])
 
+# %% ../nbs/44_trainer.ipynb #68b4e1a3
 def make_backend(c: GRPOConfig, model, tokenizer):
     "The generation backend the config asks for: transformers (on the policy, its merged copy, or that copy fused: 31a) or vLLM."
     if c.generation_backend == "vllm":

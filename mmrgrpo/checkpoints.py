@@ -72,7 +72,7 @@ def checkpoint_problem(d) -> str:
                                       f"continue that run with output_dir={str(d)!r} resume_from=latest")
     if not os.path.lexists(d / MANIFEST): return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
     try: listed = read_json(d / MANIFEST)           # not a pipe or a device, not a huge file: refused before reading
-    except ValueError as e: return str(e)
+    except ValueError as e: return f"its {MANIFEST} is unreadable: {e}"
     try: want = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
     except (ValueError, TypeError, KeyError, AttributeError): return f"its {MANIFEST} is unreadable"
     if unlisted := [f for f in CHECKPOINT_FILES if f not in want]: return f"its {MANIFEST} does not list {unlisted[0]}"

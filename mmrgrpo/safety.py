@@ -229,7 +229,8 @@ class NamedFunctionProcess:
         return out
 
     def __del__(self):
-        with contextlib.suppress(Exception): self.stop()
+        try: self.stop()
+        except Exception: pass            # (at the interpreter's exit, what it needs may be gone: the process ends anyway)
 
 # %% ../nbs/00_safety.ipynb #ab77a78f
 def exact_rate(rate) -> Fraction:

@@ -273,3 +273,15 @@ def test_a_reward_holding_the_interpreter_is_stopped_by_its_time_limit(tmp_path,
     assert main(args(tmp_path / "run", steps=1, reward_funcs=["reward_fixtures:holds_the_interpreter"], reward_timeout=0.05)) == 2
     assert err_lines(capsys)[-1] == ("error: reward function 'holds_the_interpreter' took more than 0.4 s for 8 completions "
                                      "(reward_timeout=0.05 s per completion)"), err_lines(capsys)[-3:]
+
+
+def test_a_late_reward_passed_as_an_object_says_what_remains():
+    import threading
+    from mmrgrpo.rewards import RewardFunctionError, compute_rewards
+    release = threading.Event()
+    def waits(prompts, completions, **k): release.wait(60); return [0.0]
+    try:
+        with pytest.raises(RewardFunctionError) as e: compute_rewards([waits], None, ["p"], ["a"], {}, timeout=0.1)
+    finally: release.set()
+    assert str(e.value).endswith("a function passed as an object runs on in a thread, which no limit stops: name it as "
+                                 "'module:function' in reward_funcs to run it in a process the limit kills"), str(e.value)

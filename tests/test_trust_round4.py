@@ -147,7 +147,7 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
 # --- 3: SIGTERM to the process group while rewards run leaves the verifier processes scoring
 
 TERM_WHILE_VERIFYING = """
-import sys, mmrgrpo.verifier_pool as V, reward_fixtures as F
+import sys, mmrgrpo.rewards as V, reward_fixtures as F       # where accuracy_reward looks verify_batch up
 real = V.verify_batch
 def verify_batch(golds, completions, timeout=2.0, _score_fn=None):     # the first pair's worker sends the SIGTERM
     return real(["term"] + ["1"] * (len(golds) - 1), completions, timeout, _score_fn=F._term_trainer_then_score)

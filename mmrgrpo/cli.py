@@ -25,14 +25,17 @@ DEMO = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per
 
 # %% ../nbs/45_cli.ipynb #a5924f8b
 def summary_table(res, wall: float) -> str:
-    "Plain-text summary of a run: accuracy before/after, the best evaluation (with `save_best`) and wall-clock per phase."
+    "Plain-text summary of a run: accuracy before/after, the best evaluation and wall-clock per phase."
     rows = res.metrics
     phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/step"})
     lines = ["", "| metric | value |", "|---|---|"]
     for k in ("eval/accuracy", "eval/pass@1", "eval/format"):
         if k in res.eval_before or k in res.eval_after:
-            lines.append(f"| {k} before -> after | {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after.get(k, float('nan')):.3f} |")
-    if res.best: lines.append(f"| best eval/accuracy (best-checkpoint) | {res.best['eval/accuracy']:.3f} after step {res.best['step']} |")
+            before, after = res.eval_before.get(k, float("nan")), res.eval_after.get(k, float("nan"))
+            lines.append(f"| {k} before -> after | {before:.3f} -> {after:.3f} |")
+    if res.best:
+        best, step = res.best["eval/accuracy"], res.best["step"]
+        lines.append(f"| best eval/accuracy (best-checkpoint) | {best:.3f} after step {step} |")
     lines.append(f"| steps | {len(rows)} |")
     lines.append(f"| wall-clock, whole run | {wall:.0f} s |")
     for k in phases:
@@ -42,10 +45,11 @@ def summary_table(res, wall: float) -> str:
 
 # %% ../nbs/45_cli.ipynb #ae636caa
 def _parser():
-    p = argparse.ArgumentParser(prog="mmrgrpo", description="GRPO with MMR reweighting, completion pruning and token selection")
+    p = argparse.ArgumentParser(prog="mmrgrpo",
+                                description="GRPO with MMR reweighting, completion pruning and token selection")
     sub = p.add_subparsers(dest="command", required=True)
-    fields_help = "\n".join(f"  {f.name} = {f.default if not callable(f.default_factory) else f.default_factory()!r}: {f.metadata['help']}"
-                            for f in fields(GRPOConfig))
+    default = lambda f: f.default if not callable(f.default_factory) else f.default_factory()
+    fields_help = "\n".join(f"  {f.name} = {default(f)!r}: {f.metadata['help']}" for f in fields(GRPOConfig))
     for name, help in [("train", "train a policy with GRPO"), ("eval", "evaluate a model on held-out tasks"),
                        ("demo", "the CPU demo: SmolLM2-135M learns arithmetic")]:
         s = sub.add_parser(name, help=help, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -56,13 +60,13 @@ def _parser():
     return p
 
 def user_errors() -> tuple:
-    "What a user can cause and fix: a config, data, a reward function, a file or folder (a full disk, a read-only folder), NaN updates."
+    "The errors a user can cause and fix: a config, data, a reward function, a file or folder, NaN updates."
     from mmrgrpo.data import DataError
     from mmrgrpo.rewards import RewardFunctionError
     return ConfigError, DataError, RewardFunctionError, OSError, UnicodeError, FloatingPointError
 
 def option_hint(extra: list) -> str:
-    "For arguments argparse does not know: config fields written as options (`--steps=3`, `--steps 3`) are `key=value` here."
+    "The message for arguments argparse does not know; config fields written as options get `key=value` back."
     names = {f.name for f in fields(GRPOConfig)}
     asked = [a[2:].split("=", 1)[0].replace("-", "_") for a in extra if a.startswith("--")]
     known = [a for a in asked if a in names]
@@ -70,7 +74,7 @@ def option_hint(extra: list) -> str:
             (f"; config fields are key=value, without dashes: {' '.join(k + '=...' for k in known)}" if known else ""))
 
 def protect_named_folder(overrides) -> list:
-    "`overrides`, with `overwrite=false` added where they name an `output_dir` but not `overwrite`: a config's (or the demo's) `overwrite: true` replaces its own folder, never one named on the command line."
+    "`overrides`, with `overwrite=false` added where they name an `output_dir` but not `overwrite`."
     named = {o.split("=", 1)[0].strip() for o in overrides}
     return [*overrides, "overwrite=false"] if "output_dir" in named and "overwrite" not in named else list(overrides)
 
@@ -86,19 +90,20 @@ def main(argv=None):
         print("error: " + "; ".join(l.strip() for l in str(e).splitlines() if l.strip()), file=sys.stderr); return 2
     except KeyboardInterrupt as e: return interrupted(e)
 
-EXIT_GRACE_S = 10.0    # seconds the ended command waits for threads it did not start (a reward function's) before it exits
+EXIT_GRACE_S = 10.0    # seconds the ended command waits for threads it did not start (a reward function's)
 
 def entry():
-    "The `mmrgrpo` console command: `main`, then exit; a thread left running (a reward function's pool job) cannot hold the process."
+    "The `mmrgrpo` console command: `main`, then exit, even while a reward function's thread is still running."
     code = main()
-    threading.Thread(target=exit_if_held, args=(code,), daemon=True).start()    # runs while the interpreter waits for threads
+    # runs while the interpreter waits for threads
+    threading.Thread(target=exit_if_held, args=(code,), daemon=True).start()
     sys.exit(code)
 
 def exit_if_held(code: int):
-    "Exit with `code` (not waiting for any thread) if the process is still alive `EXIT_GRACE_S` after the command ended."
+    "Exit with `code`, not waiting for any thread, if the process is still alive `EXIT_GRACE_S` after the command."
     time.sleep(EXIT_GRACE_S)
-    print(f"WARNING: exiting without waiting for a thread still running {EXIT_GRACE_S:g} s after the command ended (a job a reward "
-          "function left in a thread pool?)", file=sys.stderr)
+    print(f"WARNING: exiting without waiting for a thread still running {EXIT_GRACE_S:g} s after the command ended "
+          "(a job a reward function left in a thread pool?)", file=sys.stderr)
     for s in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception): s.flush()
     os._exit(code)
@@ -110,23 +115,26 @@ def run_command(args) -> int:
     c = load_config(args.config, overrides)
     if args.command == "eval": return evaluate_command(c, args.checkpoint)
     keep_config_file(args.config, c)
-    with contextlib.suppress(OSError):          # a train run there is no longer the demo's to replace (checked by `train`)
+    # a train run there is no longer the demo's to replace (checked by `train`)
+    with contextlib.suppress(OSError):
         (Path(c.output_dir) / DEMO_MARK).unlink(missing_ok=True)
     from mmrgrpo.trainer import train, plot_rewards
     from mmrgrpo.distributed import dist_info
     res = train(c)
-    if dist_info()[0] == 0: plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png", best=res.best)
+    if dist_info()[0] == 0:
+        plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png", best=res.best)
     leave_process_group()
     return 0
 
 def keep_config_file(path, c: GRPOConfig):
     "Refuse a new run whose `--config` file is the `config.yaml` it would write in `output_dir` (without `overwrite`)."
-    if not path or c.resume_from or c.overwrite or Path(path).resolve() != (Path(c.output_dir) / "config.yaml").resolve(): return
-    raise ConfigError(f"--config {path} is the config.yaml that a run in output_dir={c.output_dir!r} writes: copy it out of "
-                      "output_dir and pass the copy, or pass overwrite=true to let the run replace it")
+    if not path or c.resume_from or c.overwrite: return
+    if Path(path).resolve() != (Path(c.output_dir) / "config.yaml").resolve(): return
+    raise ConfigError(f"--config {path} is the config.yaml that a run in output_dir={c.output_dir!r} writes: copy it "
+                      "out of output_dir and pass the copy, or pass overwrite=true to let the run replace it")
 
 def interrupted(e: KeyboardInterrupt) -> int:
-    "Say in one line why a run stopped (a `TrainingInterrupted` says where it saved); return 128 + the signal (130 for Ctrl-C)."
+    "Say in one line why a run stopped and where it saved; return 128 + the signal (130 for Ctrl-C)."
     print(str(e) or "interrupted", file=sys.stderr)
     return getattr(e, "exit_code", 130)
 
@@ -145,28 +153,31 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     if checkpoint:
         from mmrgrpo.checkpoints import load_checkpoint
         import torch
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)])
+        trained = [p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)]
+        opt = torch.optim.AdamW(trained)
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    res = run_eval(HFBackend(model, tok, c.max_prompt_length, cache_room=reserve_cache), [build_prompt(tok, c, t["question"], src) for t in tasks],
-                [t["answer"] for t in tasks], c, tok, progress=True)
-    print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # the per-task list is for files
+    backend = HFBackend(model, tok, c.max_prompt_length, cache_room=reserve_cache)
+    prompts = [build_prompt(tok, c, t["question"], src) for t in tasks]
+    res = run_eval(backend, prompts, [t["answer"] for t in tasks], c, tok, progress=True)
+    print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # per-task lists are for files
     return 0
 
 def held_out_tasks(c: GRPOConfig) -> list:
-    "The tasks `mmrgrpo eval` scores: those a training run with this `eval_size` holds out of a file task (which has no test split), else the test split's first `eval_size`."
+    "The tasks `mmrgrpo eval` scores: the rows a run holds out of a file task, else the test split's first ones."
     from mmrgrpo.data import holds_out_rows, load_tasks
     from mmrgrpo.trainer import eval_source, load_run_data
     if not holds_out_rows(c.task, c.eval_task):
         return load_tasks(eval_source(c), "test", limit=c.eval_size, skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir)
     tasks = load_run_data(c).eval_tasks
-    print(f"eval: {c.task} is a file: scoring the {len(tasks)} rows that a training run with eval_size={c.eval_size} holds out "
-          "of it (never trained on)", file=sys.stderr)
+    print(f"eval: {c.task} is a file: scoring the {len(tasks)} rows that a training run with eval_size={c.eval_size} "
+          "holds out of it (never trained on)", file=sys.stderr)
     return tasks
 
-MODEL_FIELDS = ("model", "gguf_file", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit")
+MODEL_FIELDS = ("model", "gguf_file", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                "load_in_4bit")
 
 def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
-    "`c` with the model and adapter settings the checkpoint was trained with; a setting given on purpose (not the default) that differs is refused, naming it."
+    "`c` with the model and adapter settings `checkpoint` was trained with; refuses a differing one given on purpose."
     import dataclasses
     from mmrgrpo.checkpoints import checkpoint_problem
     if why := checkpoint_problem(checkpoint): raise ConfigError(f"--checkpoint {checkpoint} cannot be used: {why}")
@@ -174,7 +185,8 @@ def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
     theirs = {k: saved.get(k, getattr(default, k)) for k in MODEL_FIELDS}
     clash = [k for k in MODEL_FIELDS if getattr(c, k) != theirs[k] and getattr(c, k) != getattr(default, k)]
     if clash:
-        raise ConfigError(f"--checkpoint {checkpoint} was trained with " + ", ".join(f"{k}={theirs[k]!r}" for k in clash)
+        raise ConfigError(f"--checkpoint {checkpoint} was trained with "
+                          + ", ".join(f"{k}={theirs[k]!r}" for k in clash)
                           + "; this config has " + ", ".join(f"{k}={getattr(c, k)!r}" for k in clash)
                           + ": leave them out (the checkpoint's are used) or evaluate another checkpoint")
     for k in MODEL_FIELDS:
@@ -194,8 +206,9 @@ def demo(overrides=(), config=None) -> int:
     png = plot_rewards(res.output_dir / "metrics.jsonl", res.output_dir / "reward_curve.png", best=res.best)
     table = summary_table(res, wall)
     replace_file(res.output_dir / "summary.md", table + "\n")
-    replace_file(res.output_dir / "summary.json", json.dumps({"eval_before": res.eval_before, "eval_after": res.eval_after,
-                                                              "best": res.best, "steps": len(res.metrics), "wall_s": wall}, indent=1))
+    summary = {"eval_before": res.eval_before, "eval_after": res.eval_after, "best": res.best,
+               "steps": len(res.metrics), "wall_s": wall}
+    replace_file(res.output_dir / "summary.json", json.dumps(summary, indent=1))
     print(table)
     print(f"\nreward curve: {png}\nmetrics: {res.output_dir / 'metrics.jsonl'}")
     return 0
@@ -204,12 +217,12 @@ def demo(overrides=(), config=None) -> int:
 DEMO_MARK = ".mmrgrpo-demo"        # in the demo's folder: the run there is the demo's, which its next run may replace
 
 def claim_demo_folder(out: Path):
-    "Mark `out` as the demo's; refuse it where it holds a run the demo did not write (no mark), which `overwrite` would delete."
+    "Mark `out` as the demo's; refuse it where it holds a run the demo did not write (no mark)."
     from mmrgrpo.checkpoints import run_in
     mark = out / DEMO_MARK
     if (old := run_in(out)) and not (mark.is_file() and not mark.is_symlink()):
-        raise ConfigError(f"{out} holds a run that the demo did not write ({', '.join(p.name for p in old)}): move it away, "
-                          "or run the demo elsewhere with output_dir=<folder>")
+        raise ConfigError(f"{out} holds a run that the demo did not write ({', '.join(p.name for p in old)}): "
+                          "move it away, or run the demo elsewhere with output_dir=<folder>")
     out.mkdir(parents=True, exist_ok=True)
     replace_file(mark, "written by `mmrgrpo demo`: the demo's next run replaces the run in this folder\n")
 

@@ -1,4 +1,4 @@
-"""Memory the allocator keeps for reuse, the output head's log-probs and gradient in closed form, and each group's completions packed without padding.
+"""Freed memory kept for reuse, the output head's gradient in closed form, and each group's completions packed.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
@@ -26,24 +26,25 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3         # glibc's mallopt parameters
 GLIBC_THRESHOLD = 128 * 1024                         # both thresholds' starting values in glibc
 
 def keep_freed_memory(on: bool = True, limit: int = 1 << 30) -> bool:
-    "Ask glibc's malloc to serve blocks below `limit` bytes from the process's heap and keep freed ones for reuse (`on=False`: back to glibc's starting thresholds); False where that is not possible."
+    "Ask glibc's malloc to keep freed blocks below `limit` bytes for reuse (`on=False`: undo); False where it cannot."
     try: mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError): return False
     mmap, trim = (limit, 2 * limit) if on else (GLIBC_THRESHOLD, GLIBC_THRESHOLD)
     return bool(mallopt(M_MMAP_THRESHOLD, mmap)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
 def trim_freed_memory() -> bool:
-    "Hand the free pages of the process's heap back to the operating system (glibc's `malloc_trim`); False where there is no such call."
+    "Hand the heap's free pages back to the operating system (`malloc_trim`); False where there is no such call."
     try: return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError): return False
 
 
 # %% ../nbs/34_fast_update.ipynb #7e35b0d9
 class KeptHeap:
-    "Between steps: hand freed memory back (`trim_freed_memory`) only once the resident set a step ends with has grown by more than `growth` over its level: the most the first `settle` steps after the last hand-back ended with."
-    def __init__(self, growth: float = 0.1, settle: int = 3): self.growth, self.settle, self.level, self.seen = growth, settle, 0.0, 0
+    "Between steps, hand freed memory back only once the resident set has grown by more than `growth` over its level."
+    def __init__(self, growth: float = 0.1, settle: int = 3):
+        self.growth, self.settle, self.level, self.seen = growth, settle, 0.0, 0
 
     def after_step(self, rss_mb) -> bool:
-        "Called at the end of each step with the process's resident memory now (MB; None where unknown: then always trim); True where it handed memory back."
+        "Called after each step with the resident MB (None: unknown, always trim); True if it handed memory back."
         if rss_mb is not None and self.seen < self.settle:       # the heap still fills: it sets the level
             self.level, self.seen = max(self.level, rss_mb), self.seen + 1
             return False
@@ -60,11 +61,12 @@ def cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if weight.dtype == dtype: return weight
     if weight.requires_grad: return weight.to(dtype)
     hit = _CASTS.get(weight)
-    if hit is None or hit[0] != weight._version or hit[1].dtype != dtype: hit = _CASTS[weight] = (weight._version, weight.detach().to(dtype))
+    if hit is None or hit[0] != weight._version or hit[1].dtype != dtype:
+        hit = _CASTS[weight] = (weight._version, weight.detach().to(dtype))
     return hit[1]
 
 def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    "The dtype a linear layer's matmul runs in here: the autocast dtype when autocast is on for x's device, else the weight's."
+    "The dtype a linear layer's matmul runs in: the autocast dtype if autocast is on for x's device, else the weight's."
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
@@ -76,7 +78,7 @@ def head_logits(h, weight, dtype, temperature: float) -> torch.Tensor:
 
 # %% ../nbs/34_fast_update.ipynb #dee0059a
 class HeadStats(torch.autograd.Function):
-    "Per-token log-prob (differentiable), entropy and log sum p^2 from hidden states (n, D) and a head weight (V, D), the gradient in closed form."
+    "Per-token log-prob (differentiable), entropy and log sum p^2 from hidden states (n, D) and a head (V, D)."
     @staticmethod
     def forward(ctx, h, weight, targets, temperature: float, with_sumsq: bool):
         dtype = matmul_dtype(h, weight)
@@ -107,7 +109,7 @@ class HeadStats(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 def fused_chunk_stats(h, targets, lm_head, temperature: float, with_sumsq: bool) -> tuple:
-    "`token_stats`'s `chunk_fn`: one chunk's (logp, entropy, log_sumsq) through `HeadStats` (a head with a bias: the plain chunk)."
+    "`token_stats`'s `chunk_fn`: a chunk's (logp, entropy, log_sumsq) through `HeadStats` (with a bias: the plain one)."
     if getattr(lm_head, "bias", None) is not None:
         from mmrgrpo.logprobs import _chunk_stats
         return _chunk_stats(h, targets, lm_head, temperature, with_sumsq)
@@ -125,19 +127,19 @@ def pack_rows(completion_mask: torch.Tensor,  # (N, T) 1 where a completion toke
               row_group: torch.Tensor,        # (N,) each row's group, 0..n_groups-1, a group's rows next to each other
               lead: torch.Tensor,             # (n_groups,) slots each packed row starts with: its prompt's own tokens
              ) -> dict:
-    "Where each row's completion inputs sit when its group's rows follow the group's prompt tokens end to end (index bookkeeping only)."
+    "Where each row's completion inputs sit when its group's rows follow the group's prompt tokens end to end."
     N, T = completion_mask.shape
     dev, cm, n_groups = completion_mask.device, completion_mask.bool(), len(lead)
-    n_in = (counted_lengths(cm) - 1).clamp(min=0)             # inputs a row feeds: tokens 0..last-2 predict tokens 1..last-1
+    n_in = (counted_lengths(cm) - 1).clamp(min=0)     # inputs a row feeds: tokens 0..last-2 predict tokens 1..last-1
     fed = torch.zeros(n_groups, dtype=torch.long, device=dev).index_add_(0, row_group, n_in)
     start = lead[row_group] + (n_in.cumsum(0) - n_in) - (fed.cumsum(0) - fed)[row_group]   # a row's first slot
     in_row = torch.repeat_interleave(torch.arange(N, device=dev), n_in)       # every packed input's row ...
-    in_pos = torch.arange(len(in_row), device=dev) - (n_in.cumsum(0) - n_in)[in_row]   # ... and its position in that row
+    in_pos = torch.arange(len(in_row), device=dev) - (n_in.cumsum(0) - n_in)[in_row]   # ... its position in that row
     S = int((lead + fed).max()) if n_groups else 0
     slots = torch.arange(S, device=dev)
     kind = torch.where(slots < lead[:, None], SUFFIX, PAD)   # (n_groups, S)
     slot_row = torch.full((n_groups, S), -1, dtype=torch.long, device=dev)
-    slot_pos = torch.where(kind == SUFFIX, slots, 0)          # a prompt slot: its index; a completion slot: its position
+    slot_pos = torch.where(kind == SUFFIX, slots, 0)     # a prompt slot: its index; a completion slot: its position
     slot_key = torch.zeros(n_groups, S, dtype=torch.bool, device=dev)        # may later tokens of its row attend to it
     where = (row_group[in_row], start[in_row] + in_pos)
     kind[where], slot_row[where], slot_pos[where], slot_key[where] = COMPLETION, in_row, in_pos, cm[in_row, in_pos]
@@ -145,13 +147,13 @@ def pack_rows(completion_mask: torch.Tensor,  # (N, T) 1 where a completion toke
                 slot_row=slot_row, slot_pos=slot_pos, slot_key=slot_key, targets=cm.nonzero(as_tuple=True))
 
 def packed_mask(pack: dict, prefix: int = 0) -> torch.Tensor:
-    "(n_groups, 1, S, prefix + S) boolean attention mask: a token sees the shared prefix, its prompt's tokens up to it, and its own row's."
+    "(n_groups, 1, S, prefix + S) boolean mask: a token sees the shared prefix, its prompt's tokens and its own row's."
     kind, row, pos = pack["kind"], pack["slot_row"], pack["slot_pos"]
     q, k = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])    # query slots down, key slots across
     causal = k(pos) <= q(pos)
     prompt = (k(kind) == SUFFIX) & ((q(kind) == COMPLETION) | ((q(kind) == SUFFIX) & causal))
     own = (q(kind) == COMPLETION) & (k(kind) == COMPLETION) & (q(row) == k(row)) & causal & k(pack["slot_key"])
-    pad = (q(kind) == PAD) & torch.eye(kind.shape[1], dtype=torch.bool, device=kind.device)   # sees itself: no empty rows
+    pad = (q(kind) == PAD) & torch.eye(kind.shape[1], dtype=torch.bool, device=kind.device)   # sees itself: none empty
     seen = torch.ones(*kind.shape, prefix, dtype=torch.bool, device=kind.device)
     return torch.cat([seen, prompt | own | pad], 2)[:, None]
 
@@ -160,7 +162,7 @@ def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, comp
                             chunk_size: int = 1024, with_sumsq: bool = False,
                             group_size=1,   # G (int) or (N,) group ids: rows of a group share their prompt
                             chunk_fn=None): # `token_stats`'s chunk function
-    "`completion_stats` without the padding: the prompts' shared prefix once, then one packed row per group: its prompt's own tokens and its rows' counted tokens."
+    "`completion_stats` without the padding: the prompts' shared prefix once, then one packed row per group."
     body = model.get_decoder()
     N, T = completion_ids.shape
     gid = as_group_ids(group_size, N, prompt_ids.device)
@@ -177,7 +179,7 @@ def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, comp
     ids[pack["where"]] = completion_ids[pack["in_row"], pack["in_pos"]]
     positions = torch.where(kind == SUFFIX, K + pos, torch.where(kind == COMPLETION, p_len[:, None] + pos, 0))
     kw = {}
-    if K:                                                                     # the shared prefix once, its cache lent to every group
+    if K:                                             # the shared prefix once, its cache lent to every group
         out = body(input_ids=p_ids[:1, P - int(p_len[0]):P - int(p_len[0]) + K], use_cache=True,
                    position_ids=torch.arange(K, device=gid.device)[None])
         cache = output_cache(out)
@@ -188,11 +190,11 @@ def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, comp
     if K: h = h + 0 * out.last_hidden_state[:, -1:]   # FSDP2 gathers a layer for backward on its outputs' gradients
     r, t = pack["targets"]
     gr = row_group[r]
-    at = torch.where(t == 0, p_len[gr] - K - 1, pack["start"][r] + (t - 1).clamp(min=0))   # the slot that predicts token t
-    stats = token_stats(h[gr, at][None], completion_ids[r, t][None], model.get_output_embeddings(), temperature=temperature,
-                        chunk_size=chunk_size, with_sumsq=with_sumsq, chunk_fn=chunk_fn)
+    at = torch.where(t == 0, p_len[gr] - K - 1, pack["start"][r] + (t - 1).clamp(min=0))   # the slot predicting t
+    stats = token_stats(h[gr, at][None], completion_ids[r, t][None], model.get_output_embeddings(),
+                        temperature=temperature, chunk_size=chunk_size, with_sumsq=with_sumsq, chunk_fn=chunk_fn)
     return tuple(None if x is None else x.new_zeros(N, T).index_put((r, t), x[0]) for x in stats)
 
 def packs_completions(model) -> bool:
-    "Whether `model` takes packed rows: its attention must read a boolean 4-D mask as it is (`sdpa`; eager attention adds masks)."
+    "Whether `model` takes packed rows: its attention reads a boolean 4-D mask as it is (`sdpa`; eager adds masks)."
     return getattr(model.config, "_attn_implementation", None) == "sdpa"

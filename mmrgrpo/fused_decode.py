@@ -1,4 +1,4 @@
-"""The sampling copy's decode step written for sampling: q/k/v and gate/up each one matmul, bf16 weights kept in the layout the CPU's matrix units read, norms folded into the weights, and a static KV cache.
+"""The sampling copy's decode step with fused q/k/v and gate/up matmuls, packed bf16 weights and a static KV cache.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/fused_decode.html.md"""
 
@@ -20,7 +20,7 @@ from .sampling import prompt_rows
 FUSED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 
 def fused_support(model) -> str:
-    "Why the fused decoder cannot run `model` (a transformers causal LM, or a peft model around one), or '' when it can."
+    "Why the fused decoder cannot run `model` (a transformers causal LM, or a peft model around one); '' when it can."
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers, cfg = getattr(getattr(model, "model", None), "layers", None), model.config
     if not layers: return "it has no decoder layers at model.model.layers"
@@ -29,14 +29,15 @@ def fused_support(model) -> str:
     if next(model.parameters()).device.type != "cpu": return "it is not on a CPU (on a GPU, vLLM is the fast sampler)"
     if getattr(cfg, "hidden_act", "silu") != "silu": return f"its activation is {cfg.hidden_act!r}, not silu"
     if getattr(cfg, "mlp_bias", False): return "its MLP has biases"
-    if getattr(cfg, "use_sliding_window", False) or kind == "MistralDecoderLayer" and getattr(cfg, "sliding_window", None):
-        return "it uses sliding-window attention"
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []): return "not all its layers are full attention"
+    mistral_window = kind == "MistralDecoderLayer" and getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", False) or mistral_window: return "it uses sliding-window attention"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return "not all its layers are full attention"
     return ""
 
 # %% ../nbs/31a_fused_decode.ipynb #4a28a5a2
 def fuse_linears(linears: list) -> tuple:
-    "(weight, bias) holding the rows of several linear layers in one tensor; each layer's weight becomes a view of its rows."
+    "(weight, bias) holding the rows of several linear layers in one tensor; each layer's weight becomes a view of it."
     weight = torch.cat([m.weight.data for m in linears])
     bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
     start = 0
@@ -48,7 +49,7 @@ def fuse_linears(linears: list) -> tuple:
     return weight, bias
 
 # %% ../nbs/31a_fused_decode.ipynb #b105c845
-PACK_ROWS = 64      # the batch size oneDNN's blocked layout is chosen for (the most rows a step decodes in the bench config)
+PACK_ROWS = 64      # the batch size oneDNN's blocked layout is chosen for (the bench config's most rows in a step)
 
 def can_pack(weight: torch.Tensor) -> bool:
     "Whether oneDNN can keep `weight` in its blocked layout for matmuls: bf16, on a CPU whose `cpu_support` allows it."
@@ -66,8 +67,9 @@ def linear(x, weight, bias=None):
 
 # %% ../nbs/31a_fused_decode.ipynb #08721a4e
 def rms_norm(x, weight, eps: float):
-    "RMS normalisation over the last dimension, the mean square taken in fp32; `weight` None: folded into the next matmul."
-    scale = (torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / x.shape[-1] + eps).rsqrt()
+    "RMS normalisation over the last dimension, the mean square in fp32; `weight` None: folded into the next matmul."
+    sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square()
+    scale = (sq / x.shape[-1] + eps).rsqrt()
     x = x * scale.to(x.dtype)
     return x if weight is None else weight * x
 
@@ -78,29 +80,31 @@ def rotate(x, cos, sin):
 
 # %% ../nbs/31a_fused_decode.ipynb #7a365e3c
 class StaticCache:
-    "Keys and values of every layer in two buffers (layers, rows, kv_heads, room, head_dim) filled to `n` positions, and each row's mask."
+    "Keys and values of every layer in two buffers (layers, rows, kv_heads, room, head_dim) filled to `n`, and a mask."
     def __init__(self, layers: int, rows: int, kv_heads: int, room: int, head_dim: int, dtype, device):
         self.k = torch.empty(layers, rows, kv_heads, room, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
-        self.bias = torch.zeros(rows, 1, 1, room, dtype=dtype, device=device)   # added to attention scores: -inf on padding
+        self.bias = torch.zeros(rows, 1, 1, room, dtype=dtype, device=device)   # added to the scores: -inf on padding
         self.n = 0
 
     def batch_repeat_interleave(self, g: int):
         "Each row `g` times in a row (a prompt's cache for its group)."
-        self.k, self.v, self.bias = self.k.repeat_interleave(g, 1), self.v.repeat_interleave(g, 1), self.bias.repeat_interleave(g, 0)
+        self.k, self.v = self.k.repeat_interleave(g, 1), self.v.repeat_interleave(g, 1)
+        self.bias = self.bias.repeat_interleave(g, 0)
 
     def batch_select_indices(self, indices: torch.Tensor):
         "Keep the rows `indices`, in that order, in place: only rows that change places are copied."
         n, m = self.n, len(indices)
         moved = (indices != torch.arange(m, device=indices.device)).nonzero().squeeze(-1)
         if len(moved):
-            self.k[:, moved, :, :n], self.v[:, moved, :, :n] = self.k[:, indices[moved], :, :n], self.v[:, indices[moved], :, :n]
+            src = indices[moved]
+            self.k[:, moved, :, :n], self.v[:, moved, :, :n] = self.k[:, src, :, :n], self.v[:, src, :, :n]
             self.bias[moved] = self.bias[indices[moved]]
         self.k, self.v, self.bias = self.k[:, :m], self.v[:, :m], self.bias[:m]
 
 # %% ../nbs/31a_fused_decode.ipynb #8666a690
 def attention_dtype(dtype: torch.dtype, device="cpu") -> torch.dtype:
-    "The dtype the decoder keeps its KV cache and attends in: fp32 for bf16 weights on a CPU without AMX (`amx_bf16`), where torch's bf16 attention at one query per row is several times slower than its fp32 one; else the weights' dtype."
+    "The dtype the decoder keeps its KV cache and attends in: fp32 for bf16 weights on a CPU without AMX, else theirs."
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_support().amx: return torch.float32
     return dtype
 
@@ -118,7 +122,7 @@ def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     return n if bool(same.all()) else int(same.long().argmin())
 
 def causal_bias(mask: torch.Tensor, prefix: int, dtype) -> torch.Tensor:
-    "(U, 1, S, prefix + S) scores' bias of a prefill of rows `mask` (U, S) after `prefix` columns every row sees: -inf where a token must not look (later tokens, padding), else 0."
+    "(U, 1, S, prefix + S) scores' bias of a prefill of rows `mask` (U, S) after `prefix` shared columns: -inf or 0."
     U, S = mask.shape
     pad = ~mask.bool()
     seen = torch.ones(S, S, dtype=torch.bool, device=mask.device).tril() & ~pad[:, None, None]
@@ -128,7 +132,7 @@ def causal_bias(mask: torch.Tensor, prefix: int, dtype) -> torch.Tensor:
 
 # %% ../nbs/31a_fused_decode.ipynb #45d302d8
 class FusedWeights:
-    "A Llama-style model's weights as the fused decoder reads them: q/k/v and gate/up each one matrix; packed with the norms folded in where that pays."
+    "A Llama-style model's weights as the fused decoder reads them: q/k/v and gate/up fused, packed where that pays."
     def __init__(self, model, attn_dtype=None):   # the KV cache's and attention's dtype; None: `attention_dtype`'s pick
         why = fused_support(model)
         if why: raise ValueError(f"the fused decoder cannot run this model: {why}")
@@ -140,19 +144,20 @@ class FusedWeights:
         self.plain = []               # the model's own weights, q/k/v and gate/up each made one tensor
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if any(not isinstance(m, torch.nn.Linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                                            mlp.up_proj, mlp.down_proj)):
-                raise ValueError("the fused decoder runs plain linear layers: merge an adapter into the weights first (merged_copy)")
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if any(not isinstance(m, torch.nn.Linear) for m in linears):
+                raise ValueError("the fused decoder runs plain linear layers: "
+                                 "merge an adapter into the weights first (merged_copy)")
             qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
             self.plain.append(dict(norm1=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight,
-                                   o_bias=attn.o_proj.bias, norm2=layer.post_attention_layernorm.weight, gate_up=gate_up,
-                                   down=mlp.down_proj.weight))
+                                   o_bias=attn.o_proj.bias, norm2=layer.post_attention_layernorm.weight,
+                                   gate_up=gate_up, down=mlp.down_proj.weight))
         self.prepare()
 
     def prepare(self):
         "The weights the matmuls read, made again after every change of the model's weights."
-        fold = can_pack(self.model.lm_head.weight)           # folding makes new weights: worth it only where packing does anyway
+        fold = can_pack(self.model.lm_head.weight)     # folding makes new weights: worth it only where packing is
         def after_norm(w, norm): return pack(w * norm) if fold else w
         self.layers = [dict(l, qkv=after_norm(l["qkv"], l["norm1"]), gate_up=after_norm(l["gate_up"], l["norm2"]),
                             o=pack(l["o"]), down=pack(l["down"]), norm1=None if fold else l["norm1"],
@@ -169,7 +174,7 @@ class FusedDecoder(FusedWeights):
     "The decoder of a Llama-style model as four matmuls per layer, decoding into a `StaticCache`."
     @torch.no_grad()
     def forward(self, ids, pos, cache: StaticCache, bias, logits: bool = True):
-        "Logits (B, V) after `ids` (B, S) at positions `pos` (B, S) (None: `logits` false), their keys and values written into `cache`; `bias` (B, 1, S, n + S) is added to the attention scores."
+        "Logits (B, V) after `ids` (B, S) at `pos` (None: `logits` false); their keys and values go into `cache`."
         B, S = ids.shape
         H, Hkv, D, n = self.heads, self.kv_heads, self.head_dim, cache.n
         x = self.model.model.embed_tokens(ids)
@@ -178,9 +183,11 @@ class FusedDecoder(FusedWeights):
         for j, l in enumerate(self.layers):
             qkv = linear(rms_norm(x, l["norm1"], self.eps), l["qkv"], l["qkv_bias"]).view(B, S, H + 2 * Hkv, D)
             qk = rotate(qkv[:, :, :H + Hkv], cos, sin)                   # queries and keys turned together
-            cache.k[j, :, :, n:n + S], cache.v[j, :, :, n:n + S] = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
+            cache.k[j, :, :, n:n + S] = qk[:, :, H:].transpose(1, 2)
+            cache.v[j, :, :, n:n + S] = qkv[:, :, H + Hkv:].transpose(1, 2)
             q = qk[:, :, :H].transpose(1, 2).to(cache.k.dtype)           # (a no-op unless attention runs in fp32)
-            o = F.scaled_dot_product_attention(q, cache.k[j, :, :, :n + S], cache.v[j, :, :, :n + S], attn_mask=bias, enable_gqa=H != Hkv)
+            o = F.scaled_dot_product_attention(q, cache.k[j, :, :, :n + S], cache.v[j, :, :, :n + S], attn_mask=bias,
+                                               enable_gqa=H != Hkv)
             x = x + linear(o.transpose(1, 2).reshape(B, S, H * D).to(x.dtype), l["o"], l["o_bias"])
             gate, up = linear(rms_norm(x, l["norm2"], self.eps), l["gate_up"]).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, l["down"])
@@ -188,24 +195,26 @@ class FusedDecoder(FusedWeights):
         return linear(rms_norm(x[:, -1], self.norm, self.eps), self.head) if logits else None
 
     def prefill(self, ids, mask, group_size: int, room: int, share_prefix: bool = True) -> StaticCache:
-        "A cache of each distinct prompt `ids` (U, P) (left-padded, `mask`), computed once and repeated for its `group_size` rows, with `room` more positions; `share_prefix`: the tokens every prompt starts with run once."
+        "A cache of each distinct prompt `ids` (U, P), computed once and repeated for its `group_size` rows."
         U, P = ids.shape
         K = shared_prefix(ids, mask) if share_prefix and U > 1 else 0
         if K * (U - 1) < PREFIX_MIN_SAVED: K = 0
         lengths = mask.long().sum(-1)
         W = int(lengths.max()) - K if K else P                       # the cache's columns after the prefix
-        own = torch.arange(W, device=ids.device) >= W - (lengths[:, None] - K) if K else mask.bool()   # (U, W) each row's own tokens
+        # (U, W) each row's own tokens
+        own = torch.arange(W, device=ids.device) >= W - (lengths[:, None] - K) if K else mask.bool()
         cache = self.new_cache(U, K + W + room)
         if K:                                                        # the prefix of row 0, once, lent to every row
             start = P - int(lengths[0])
             pre = self.new_cache(1, K)
+            whole = torch.ones(1, K, dtype=torch.bool, device=ids.device)
             self.forward(ids[:1, start:start + K], torch.arange(K, device=ids.device)[None], pre,
-                         causal_bias(torch.ones(1, K, dtype=torch.bool, device=ids.device), 0, pre.bias.dtype), logits=False)
+                         causal_bias(whole, 0, pre.bias.dtype), logits=False)
             cache.k[:, :, :, :K], cache.v[:, :, :, :K], cache.n = pre.k, pre.v, K
         if W:
             cache.bias[:, 0, 0, K:K + W].masked_fill_(~own, float("-inf"))
-            self.forward(ids[:, P - W:], K + (own.long().cumsum(-1) - 1).clamp(min=0), cache, causal_bias(own, K, cache.bias.dtype),
-                         logits=False)
+            self.forward(ids[:, P - W:], K + (own.long().cumsum(-1) - 1).clamp(min=0), cache,
+                         causal_bias(own, K, cache.bias.dtype), logits=False)
         if group_size > 1: cache.batch_repeat_interleave(group_size)
         return cache
 
@@ -216,9 +225,11 @@ class FusedDecoder(FusedWeights):
 # %% ../nbs/31a_fused_decode.ipynb #f32f5c7f
 class FusedBackend(CopyBackend):
     "`CopyBackend` whose prefill and decode steps run the merged copy through `FusedDecoder`."
-    def __init__(self, model, tokenizer, *args, copy_dtype: torch.dtype, attn_dtype=None, share_prefix: bool = True, **kwargs):
+    def __init__(self, model, tokenizer, *args, copy_dtype: torch.dtype, attn_dtype=None, share_prefix: bool = True,
+                 **kwargs):
         super().__init__(model, tokenizer, *args, copy_dtype=copy_dtype, **kwargs)
-        if not self.drop_finished: raise ValueError("the fused decoder runs our decode loop: drop_finished must be True")
+        if not self.drop_finished:
+            raise ValueError("the fused decoder runs our decode loop: drop_finished must be True")
         self.decoder, self.share_prefix = FusedDecoder(self.model, attn_dtype), share_prefix
 
     def prefill(self, enc, num_generations: int, max_new_tokens: int, device):

@@ -1,4 +1,4 @@
-"""The update's masked attention as two matmuls and a softmax, the probabilities kept for the backward pass: on a CPU, where torch's fused kernel is slow to differentiate.
+"""The update's masked attention as two matmuls and a softmax, its probabilities kept for a faster backward on a CPU.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/matmul_attention.html.md"""
 
@@ -16,7 +16,7 @@ from .models import choose_dtype
 
 # %% ../nbs/34a_matmul_attention.ipynb #aed0368a
 class MatmulAttention(torch.autograd.Function):
-    "softmax(q k^T * scale, masked) v for q (B, H, S, D), k and v (B, Hk, K, D) and a boolean mask (B, 1, S, K), in plain matmuls; the probabilities are kept for the backward."
+    "softmax(q k^T * scale, masked) v in plain matmuls, keeping the probabilities for the backward pass."
     @staticmethod
     def forward(ctx, q, k, v, mask, scale: float):
         B, H, S, D = q.shape
@@ -44,17 +44,18 @@ class MatmulAttention(torch.autograd.Function):
 MAX_PROBS_MB = 16       # kept probabilities per layer above which a call goes to the fused kernel
 
 def fits_matmul(query, key, value, mask, max_mb: float = MAX_PROBS_MB) -> bool:
-    "Whether `MatmulAttention` takes this call: one dtype, a boolean mask (B, 1, S, K) in which every query sees a key, several queries, probabilities within `max_mb` MiB."
+    "Whether `MatmulAttention` takes this call: a boolean mask, several queries, probabilities within `max_mb` MiB."
     B, H, S, _ = query.shape
-    return (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and tuple(mask.shape) == (B, 1, S, key.shape[2])
-            and S > 1 and H % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype
+    return (mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+            and tuple(mask.shape) == (B, 1, S, key.shape[2]) and S > 1
+            and H % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype
             and B * H * S * key.shape[2] * value.element_size() <= max_mb * 2**20 and bool(mask.any(-1).all()))
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, fallback=None,
                       max_mb: float = MAX_PROBS_MB, **kwargs):
-    "A transformers attention function: `MatmulAttention` where `fits_matmul`, otherwise `fallback` (the `sdpa` function it stands in for)."
+    "A transformers attention function: `MatmulAttention` where `fits_matmul`, otherwise `fallback` (the `sdpa` one)."
     kind = query.device.type
-    if torch.is_autocast_enabled(kind):           # as sdpa under autocast: q, k, v in the autocast dtype (rotary embeddings return fp32)
+    if torch.is_autocast_enabled(kind):   # as sdpa under autocast: q, k, v in its dtype (rotary embeddings return fp32)
         query, key, value = (x.to(torch.get_autocast_dtype(kind)) for x in (query, key, value))
     if not dropout and kwargs.get("softcap") is None and fits_matmul(query, key, value, attention_mask, max_mb):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -74,7 +75,7 @@ def matmul_attention(on: bool = True, max_mb: float = MAX_PROBS_MB):
 
 # %% ../nbs/34a_matmul_attention.ipynb #4d96786c
 def wants_matmul_attention(c: GRPOConfig, device) -> bool:
-    "Whether the update's passes run their masked attention as `MatmulAttention` (`update_attention`): 'matmul'; 'auto' on a CPU under bf16 autocast, layers not checkpointed."
+    "Whether the update's passes run their masked attention as `MatmulAttention` (`update_attention`)."
     if c.update_attention != "auto": return c.update_attention == "matmul"
     return (torch.device(device).type == "cpu" and not c.gradient_checkpointing
             and choose_dtype(device, autocast=c.autocast_bf16).autocast == torch.bfloat16)

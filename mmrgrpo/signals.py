@@ -1,4 +1,4 @@
-"""SIGINT, SIGTERM and SIGHUP end a run with a checkpoint saved; a step that runs too long after the signal is abandoned.
+"""SIGINT, SIGTERM and SIGHUP end a run with a checkpoint saved; a step too slow to end after the signal is abandoned.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/signals.html.md"""
 
@@ -28,7 +28,7 @@ def _kept_ignored(s) -> bool:
     return s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) is signal.SIG_IGN
 
 class StopSignals:
-    "SIGINT/SIGTERM/SIGHUP handlers and a guard on stdout/stderr for a run (main thread only; the previous ones come back on exit). While `defer` is on (steps are running) a first signal, or a lost output stream, only sets `signum`, so the step ends and is saved, or, past `STOP_GRACE_S`, is abandoned (`overdue`); otherwise, or at a second signal, `TrainingInterrupted` is raised at once."
+    "SIGINT/SIGTERM/SIGHUP handlers and a guard on stdout/stderr for a run, put back on exit (main thread only)."
     def __init__(self, out: Path):
         self.out, self.signum, self.defer, self.at, self.reason, self.signals = Path(out), None, False, None, None, 0
         self.old, self.streams = {}, {}        # the signal handlers and the output streams to put back on exit
@@ -55,14 +55,14 @@ class StopSignals:
         name, self.signals = signal.Signals(signum).name, self.signals + 1
         if self.defer and self.signals == 1:             # the first signal (a lost output before it does not count)
             self._ask(signum, name)
-            _say(f"\n{name}: finishing this step (given up after {STOP_GRACE_S:g} s, at the next token or micro-batch), then saving a checkpoint ({name} "
-                 "again stops at once)\n")
+            _say(f"\n{name}: finishing this step (given up after {STOP_GRACE_S:g} s, at the next token or "
+                 f"micro-batch), then saving a checkpoint ({name} again stops at once)\n")
             return
         what = " again: abandoned the step in progress" if self.defer else ": stopped"
         raise TrainingInterrupted(f"{name}{what}; {where_to_resume(latest_checkpoint(self.out))}", signum)
 
     def lost_output(self, name: str, e: OSError):
-        "The stream `name` (stdout, stderr) is gone (a closed pipe, a lost terminal): stop after the step in progress, as after SIGPIPE or SIGHUP."
+        "The stream `name` (stdout, stderr) is gone: stop after the step in progress, as after SIGPIPE or SIGHUP."
         signum = signal.SIGPIPE if e.errno == errno.EPIPE else signal.SIGHUP
         if self._ask(signum, f"{name} was lost ({type(e).__name__}: {e.strerror or e})"):
             _say(f"\n{self.reason}: finishing this step, then saving a checkpoint\n")
@@ -77,34 +77,37 @@ class StopSignals:
         return self.reason or signal.Signals(self.signum).name
 
     def overdue(self) -> bool:
-        "A signal came more than `STOP_GRACE_S` ago: the sampler's decode loop and the update check this between tokens and micro-batches."
+        "A signal came more than `STOP_GRACE_S` ago (checked between tokens and between micro-batches)."
         return self.at is not None and time.monotonic() - self.at >= STOP_GRACE_S
 
     def abandoned(self, step: int, saved: Path) -> TrainingInterrupted:
-        "The exception that ends a run whose step `step` was abandoned (no update) after `saved` (the last completed step's checkpoint)."
+        "The exception that ends a run whose step `step` was abandoned (no update) after saving checkpoint `saved`."
+        where = (f"saved {saved} (resume_from=latest continues from it)" if saved
+                 else where_to_resume(latest_checkpoint(self.out)))
         return TrainingInterrupted(f"{self.why()}: abandoned step {step} after {time.monotonic() - self.at:.1f} s "
-                                   f"(a stop waits {STOP_GRACE_S:g} s for a step); "
-                                   + (f"saved {saved} (resume_from=latest continues from it)" if saved else where_to_resume(latest_checkpoint(self.out))),
-                                   self.signum)
+                                   f"(a stop waits {STOP_GRACE_S:g} s for a step); {where}", self.signum)
 
     def stopped_after(self, step: int) -> TrainingInterrupted:
         "The exception that ends the run after `step`, raised once rank 0 has saved."
         all_reduce_sum(0.0)                                  # the other processes wait for rank 0's checkpoint
         ck = latest_checkpoint(self.out)
-        saved = f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}" else where_to_resume(ck)
+        saved = (f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}"
+                 else where_to_resume(ck))
         return TrainingInterrupted(f"{self.why()}: stopped after step {step}; {saved}", self.signum)
 
 # %% ../nbs/43_signals.ipynb #9c51e638
 class GuardedOutput:
-    "A text stream whose failed write or flush (EPIPE, EIO: the reader or the terminal is gone) calls `on_lost(name, error)` once, points the file descriptor at /dev/null and is silent from then on; each write is flushed, so a failure shows at once."
-    def __init__(self, stream, name: str, on_lost): self._stream, self._name, self._on_lost, self._dead = stream, name, on_lost, False
+    "A text stream that reports its first failed write or flush to `on_lost(name, error)`, then writes to /dev/null."
+    def __init__(self, stream, name: str, on_lost):
+        self._stream, self._name, self._on_lost, self._dead = stream, name, on_lost, False
 
     def _guard(self, f, *a):
         if self._dead: return None
         try: return f(*a)
         except OSError as e:
             self._dead = True
-            try: os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())   # later writers (and the exit's flush) succeed
+            # later writers (and the exit's flush) succeed
+            try: os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
             except (OSError, ValueError, AttributeError): pass
             self._on_lost(self._name, e)
 

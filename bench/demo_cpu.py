@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "demo_cpu_avx2.json"))
     args = ap.parse_args()
     meta, env = start_meta(), {} if args.native else AVX2
-    out = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix=".demo_cpu_", dir=Path(args.out).parent))
+    out = Path(args.runs or tempfile.mkdtemp(prefix=".demo_cpu_", dir=Path(args.out).parent)).resolve()   # arms run elsewhere
     arms = []
     try:
         if args.baseline_ref:

@@ -139,10 +139,11 @@ def test_two_lora_steps_end_with_a_checkpoint_and_resume_resyncs(engine, tmp_pat
     assert [r["step"] for r in rows] == [1, 2] and (tmp_path / "checkpoint-2").exists() and "eval/accuracy" in res.eval_after
     for r in rows:                                                 # the engine samples what the learner would: ratios near 1
         assert 0.9 < r["is/ratio_mean"] < 1.1 and 0 <= r["is/clipped_frac"] < 0.05, r
-    again = train(load_config(**{**run, "output_dir": str(tmp_path / "resumed")}, steps=1, resume_from=str(tmp_path / "checkpoint-1")),
-                  progress=False)                                  # nothing left to train: the engine holds checkpoint-1's adapter
+    resumed = tmp_path / "resumed"                                 # one step past checkpoint-1 (resuming to train nothing is refused)
+    again = train(load_config(**{**run, "output_dir": str(resumed)}, steps=2, resume_from=str(tmp_path / "checkpoint-1")),
+                  progress=False)                                  # the engine serves the adapter the resumed run saved last
     served = load_file(os.path.join(again.backend.lora_request.lora_path, "adapter_model.safetensors"))
-    saved = load_file(str(tmp_path / "checkpoint-1" / "adapter" / "adapter_model.safetensors"))
+    saved = load_file(str(resumed / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))
     assert served.keys() == saved.keys() and all(torch.equal(served[k], saved[k]) for k in saved)
     ro = again.backend.generate(engine[4][:2], 4, 16, seed=5)
     assert logprob_gap(again.backend, again.model, ro)["logprob_gap/mean"] < GAP_BOUND

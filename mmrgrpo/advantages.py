@@ -14,7 +14,7 @@ import torch
 
 # %% ../nbs/16_advantages.ipynb #23568d88
 def as_values(x, name: str) -> torch.Tensor:
-    "`x` as a tensor: a tensor as it is, a list or numpy array of numbers as float32; anything else a TypeError naming `name`."
+    "`x` as a tensor: a tensor as is, a list or numpy array of numbers as float32, else a TypeError naming `name`."
     if isinstance(x, torch.Tensor): return x
     try: return torch.as_tensor(x, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError): pass
@@ -29,7 +29,8 @@ def whole_group_size(group_size) -> int:
 
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
     "View a flat tensor of `B*G` per-completion values as `(B, G)`, one row per group."
-    if x.dim() != 1: raise ValueError(f"a flat (B*G,) tensor of per-completion values is expected, not shape {tuple(x.shape)}")
+    if x.dim() != 1:
+        raise ValueError(f"a flat (B*G,) tensor of per-completion values is expected, not shape {tuple(x.shape)}")
     group_size = whole_group_size(group_size)
     if x.numel() % group_size:
         raise ValueError(f"{x.numel()} values cannot be split into groups of {group_size}: "
@@ -40,14 +41,15 @@ def as_group_ids(groups,        # G (int: every group has G rows) or a (N,) tens
                  n: int,        # N, rows
                  device=None,
                 ) -> torch.Tensor:  # (N,) long group id of every row
-    "Each row's group (prompt) id. After batch-scope pruning groups differ in size, so ids, not a size, say who is whose sibling."
+    "Each row's group (prompt) id, from a group size or from the ids themselves."
     if isinstance(groups, (list, tuple)): groups = torch.tensor(groups)   # ids typed as a list
     if isinstance(groups, torch.Tensor):
         if groups.shape != (n,) or (n and groups.min() < 0):
             raise ValueError(f"group ids of shape {tuple(groups.shape)} for {n} rows: pass one id >= 0 per row")
         return groups.long().to(device if device is not None else groups.device)
     groups = whole_group_size(groups)
-    if n % groups: raise ValueError(f"{n} rows cannot be split into groups of {groups}: pass each row's group id instead")
+    if n % groups:
+        raise ValueError(f"{n} rows cannot be split into groups of {groups}: pass each row's group id instead")
     return torch.arange(n, device=device) // groups
 
 def group_runs(group_ids: torch.Tensor,  # (N,) group id of every row; a group's rows are next to each other
@@ -57,20 +59,22 @@ def group_runs(group_ids: torch.Tensor,  # (N,) group id of every row; a group's
 
 # %% ../nbs/16_advantages.ipynb #06df8ef1
 def check_finite(x: torch.Tensor, name: str):
-    "Raise a ValueError naming `name` where `x` holds NaN or inf: one such reward would spread through its group (or the batch) unseen."
+    "Raise a ValueError naming `name` where `x` holds NaN or inf."
     if not torch.isfinite(x).all():
-        raise ValueError(f"{name} hold {int((~torch.isfinite(x)).sum())} non-finite value(s) (NaN or inf): each must be a finite number")
+        n_bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} hold {n_bad} non-finite value(s) (NaN or inf): each must be a finite number")
 
 def group_advantages(rewards: torch.Tensor,  # (B*G,) rewards, ordered group by group
                      group_size: int,         # G, completions per prompt
-                     scale: str = "group",    # divide by the std of the "group", of the whole "batch", or "none" (Dr. GRPO)
+                     scale: str = "group",    # divide by the "group"'s std, the whole "batch"'s, or "none" (Dr. GRPO)
                      eps: float = 1e-4,       # added to the std before dividing
                     ) -> torch.Tensor:        # (B*G,) advantages
     "Group-relative advantages: reward minus its group's mean, optionally divided by a (Bessel-corrected) std."
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale={scale!r}: use 'group', 'batch' or 'none'")
     if scale == "group" and group_size < 2:
-        raise ValueError(f"group_size={group_size}: a group's std needs at least 2 completions; use scale='none' or 'batch'")
+        raise ValueError(f"group_size={group_size}: a group's std needs at least 2 completions; "
+                         "use scale='none' or 'batch'")
     rewards = as_values(rewards, "rewards")
     check_finite(rewards, "rewards")
     r = group_view(rewards.float(), group_size)                  # (B, G)

@@ -1,4 +1,4 @@
-"""The clipped surrogate with a k3 KL penalty, the three ways to average it over tokens and completions, and truncated importance weights for a sampler that is not the learner.
+"""The clipped surrogate with a k3 KL penalty, three ways to average it, and truncated importance weights.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/loss.html.md"""
 
@@ -19,16 +19,19 @@ def per_token_loss(logp: torch.Tensor,                 # (N, T) current policy, 
                    is_weights: torch.Tensor = None):   # (N, T) importance weights on the policy-gradient term (None: 1)
     "Clipped-surrogate + k3-KL loss per token, and per-token `clipped` (bool) and `kl` tensors for metrics."
     if not (beta >= 0 and 0 <= eps_low < 1 and eps_high >= 0):
-        raise ValueError(f"beta={beta}, eps_low={eps_low}, eps_high={eps_high}: beta >= 0; eps_low in [0, 1) and eps_high >= 0 "
-                         "are the clip range's widths below and above 1 (e.g. 0.2 and 0.28), not its bounds")
-    if advantages.shape not in ((logp.shape[0],), logp.shape) or (is_weights is not None and is_weights.shape != logp.shape):
-        raise ValueError(f"advantages {tuple(advantages.shape)}, is_weights {tuple(getattr(is_weights, 'shape', ()))} for log-probs "
+        raise ValueError(f"beta={beta}, eps_low={eps_low}, eps_high={eps_high}: beta >= 0; "
+                         "eps_low in [0, 1) and eps_high >= 0 are the clip range's widths below and above 1 "
+                         "(e.g. 0.2 and 0.28), not its bounds")
+    weights_fit = is_weights is None or is_weights.shape == logp.shape
+    if advantages.shape not in ((logp.shape[0],), logp.shape) or not weights_fit:
+        weights_shape = tuple(getattr(is_weights, 'shape', ()))
+        raise ValueError(f"advantages {tuple(advantages.shape)}, is_weights {weights_shape} for log-probs "
                          f"{tuple(logp.shape)}: advantages are (N,) or (N, T), importance weights (N, T)")
     A = advantages[:, None] if advantages.dim() == 1 else advantages
     ratio = (logp - logp_old.detach()).exp()
     unclipped, clipped = ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A
     loss = -torch.minimum(unclipped, clipped)
-    if is_weights is not None: loss = loss * is_weights.detach()      # the sampler's tokens reweighted; the KL term is not
+    if is_weights is not None: loss = loss * is_weights.detach()  # the sampler's tokens reweighted; the KL term is not
     kl = torch.zeros_like(logp)
     if beta:
         if logp_ref is None: raise ValueError("beta > 0 needs logp_ref (the reference model's log-probs)")
@@ -42,10 +45,11 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 def loss_weights(mask: torch.Tensor,      # (N, T) 1 for completion tokens, 0 for padding
                  loss_type: str = "grpo",
-                ) -> torch.Tensor:        # (N,) weight of each completion's tokens in the aggregated loss, constants dropped
-    "How much one token of each completion counts in the loss: 1/|o_i| for grpo (a per-completion mean), 1 for dr_grpo and dapo."
+                ) -> torch.Tensor:        # (N,) weight of each completion's tokens in the loss, constants dropped
+    "How much one token of each completion counts in the loss: 1/|o_i| for grpo, 1 for dr_grpo and dapo."
     if loss_type not in LOSS_TYPES: raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    if mask.dim() != 2: raise ValueError(f"mask of shape {tuple(mask.shape)}: a (N, T) mask of completion tokens (not their lengths)")
+    if mask.dim() != 2:
+        raise ValueError(f"mask of shape {tuple(mask.shape)}: a (N, T) mask of completion tokens (not their lengths)")
     if loss_type == "grpo": return 1.0 / mask.float().sum(-1).clamp(min=1)
     return torch.ones(mask.shape[0], device=mask.device)
 
@@ -58,8 +62,8 @@ def aggregate_loss(loss: torch.Tensor,           # (N, T) per-token loss
                   ) -> torch.Tensor:
     "Average a per-token loss the `grpo`, `dr_grpo` or `dapo` way, normalised by whole-batch counts."
     if any(v is not None and v < 0 for v in (max_completion_length, num_sequences, num_tokens)):
-        raise ValueError(f"max_completion_length={max_completion_length}, num_sequences={num_sequences}, num_tokens={num_tokens}: "
-                         "counts cannot be negative")
+        raise ValueError(f"max_completion_length={max_completion_length}, num_sequences={num_sequences}, "
+                         f"num_tokens={num_tokens}: counts cannot be negative")
     mask = mask.to(loss.dtype)
     n_seq = num_sequences or loss.shape[0]
     if loss_type == "grpo":
@@ -76,7 +80,7 @@ def truncated_is_weights(logp_old: torch.Tensor,      # (N, T) the learner's log
                          cap: float,                  # C > 0: the largest weight
                          mask: torch.Tensor = None,   # (N, T) 1 for completion tokens; padding gets ratio 1
                         ) -> tuple:                   # (weights, capped, ratio), each (N, T), no gradient
-    "Truncated importance weights min(exp(logp_old - logp_sampler), C) per token, where the cap bit, and the uncapped ratio."
+    "Truncated importance weights min(exp(logp_old - logp_sampler), C), where the cap bit, and the uncapped ratio."
     if not cap > 0: raise ValueError(f"cap={cap}: the largest importance weight must be a number > 0")
     ratio = (logp_old.detach().float() - logp_sampler.detach().float()).exp()
     if mask is not None: ratio = torch.where(mask.bool(), ratio, torch.ones_like(ratio))

@@ -16,7 +16,8 @@ from .advantages import as_group_ids, group_runs
 # %% ../nbs/17a_logprobs.ipynb #122f45da
 def _chunk_stats(h, targets, lm_head, temperature, with_sumsq):
     z = lm_head(h)                                                    # (n, V)
-    z = (z.float() if z.dtype in (torch.float16, torch.bfloat16) else z) / temperature   # reductions in >= fp32
+    if z.dtype in (torch.float16, torch.bfloat16): z = z.float()     # reductions in >= fp32
+    z = z / temperature
     lse = z.logsumexp(-1)
     logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
     with torch.no_grad():
@@ -30,34 +31,35 @@ def token_stats(hidden: torch.Tensor,         # (N, T, D) final hidden states at
                 temperature: float = 1.0,     # sampling temperature: logits are divided by it
                 chunk_size: int = 1024,       # rows (tokens) per chunk: peak memory ~ chunk_size x vocab floats
                 with_sumsq: bool = False,     # also return log sum_j p_j^2 (for the logit_grad selector)
-                chunk_fn=None,                # (h, targets, lm_head, temperature, with_sumsq) -> one chunk's stats; None: the checkpointed `_chunk_stats`
+                chunk_fn=None,                # (h, targets, lm_head, temperature, with_sumsq) -> one chunk's stats
                ) -> tuple:                    # logp (N, T) with grad, entropy (N, T), log_sumsq (N, T) or None
-    "Per-token log-probs (differentiable), entropies and optionally log sum p^2, never materialising more than one chunk of logits."
+    "Per-token log-probs (differentiable), entropies and optionally log sum p^2, one chunk of logits at a time."
     N, T, D = hidden.shape
     h, y = hidden.reshape(N * T, D), targets.reshape(N * T)
     outs = []
     for i in range(0, N * T, chunk_size):
         args = (h[i:i + chunk_size], y[i:i + chunk_size], lm_head, temperature, with_sumsq)
         if chunk_fn is not None: outs.append(chunk_fn(*args))
-        else: outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad
-                          else _chunk_stats(*args))
+        elif torch.is_grad_enabled() and h.requires_grad:
+            outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
+        else: outs.append(_chunk_stats(*args))
     logp, ent, lsq = (torch.cat(o).reshape(N, T) for o in zip(*outs))
     return logp, ent.detach(), (lsq.detach() if with_sumsq else None)
 
 # %% ../nbs/17a_logprobs.ipynb #bc52542f
 def _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, completion_mask, group_ids):
-    "Final hidden states (N, T, D) predicting the completion tokens, running the prompt of each run of equal group ids once."
+    "Final hidden states (N, T, D) predicting the completion tokens, each run of equal group ids' prompt run once."
     runs = group_runs(group_ids)
     first = runs.cumsum(0) - runs                                              # first row of each run
     expand = torch.repeat_interleave(torch.arange(len(runs), device=prompt_ids.device), runs.to(prompt_ids.device))
     u_mask = prompt_mask[first]
-    out = body(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=(u_mask.long().cumsum(-1) - 1).clamp(min=0),
-               use_cache=True)
+    u_pos = (u_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = body(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=u_pos, use_cache=True)
     h_last = out.last_hidden_state[:, -1:][expand]                             # (N, 1, D): predicts completion token 0
     T = completion_ids.shape[1]
     if T == 1: return h_last
     cache = output_cache(out)
-    cache.batch_select_indices(expand)                                         # differentiable: grads flow into the prompt pass
+    cache.batch_select_indices(expand)                         # differentiable: grads flow into the prompt pass
     pos = prompt_mask.long().sum(-1, keepdim=True) + torch.arange(T - 1, device=prompt_ids.device)
     mask = torch.cat([prompt_mask, completion_mask[:, :-1]], 1)
     kw = {cache_kwarg(body): cache}
@@ -67,14 +69,15 @@ def _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, complet
 
 def completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                      temperature: float = 1.0, chunk_size: int = 1024, with_sumsq: bool = False,
-                     group_size=1,   # rows share their prompt in groups: G (int), or (N,) group ids; each prompt runs once
+                     group_size=1,   # rows share their prompt in groups: G (int) or (N,) group ids; each runs once
                      chunk_fn=None): # `token_stats`'s chunk function (None: the checkpointed chunk above)
-    "Per-token (logp, entropy, log_sumsq) of `completion_ids` (N, T) given left-padded `prompt_ids` (N, P) under `model`."
+    "Per-token (logp, entropy, log_sumsq) under `model` of `completion_ids` (N, T) after left-padded `prompt_ids`."
     body = model.get_decoder()
     N, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
-    ids = None if isinstance(group_size, int) and (group_size <= 1 or N % group_size) else as_group_ids(group_size, N)
-    if ids is not None and len(group_runs(ids)) < N:
-        hidden = _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, completion_mask, ids)
+    no_groups = isinstance(group_size, int) and (group_size <= 1 or N % group_size)
+    group_ids = None if no_groups else as_group_ids(group_size, N)
+    if group_ids is not None and len(group_runs(group_ids)) < N:
+        hidden = _hidden_shared_prompt(body, prompt_ids, prompt_mask, completion_ids, completion_mask, group_ids)
     else:
         ids = torch.cat([prompt_ids, completion_ids], 1)
         mask = torch.cat([prompt_mask, completion_mask], 1)

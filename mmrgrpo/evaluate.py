@@ -22,16 +22,18 @@ def evaluate(backend, prompts: list, answers: list,
              temperature: float = 1.0, top_p: float = 1.0,
              batch_size: int = 64,        # completions per generate call
              seed: int = 1234, progress: bool = False) -> dict:
-    "Held-out metrics: `eval/accuracy` (greedy), `eval/format`, `eval/pass@1` (n samples), `eval/completion_length`, `eval/time`; `eval/correct`: 0/1 per task (greedy)."
+    "Held-out metrics of `backend` on `prompts`: greedy accuracy, format, pass@1, completion length and time."
     if len(prompts) != len(answers): raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     if not prompts: raise ValueError("no tasks to evaluate: pass at least one prompt and its answer")
     t0, out = time.perf_counter(), {}
     def run(n, greedy_):
         acc, fmt, lens = [], [], []
         per = max(batch_size // n, 1)
-        bar = tqdm(total=len(prompts), disable=not progress, desc="eval" if greedy_ else f"eval, {n} samples", unit="task", leave=False)
+        desc = "eval" if greedy_ else f"eval, {n} samples"
+        bar = tqdm(total=len(prompts), disable=not progress, desc=desc, unit="task", leave=False)
         for i in range(0, len(prompts), per):
-            ro = backend.generate(prompts[i:i + per], n, max_new_tokens, temperature, top_p, seed=seed + i, greedy=greedy_)
+            ro = backend.generate(prompts[i:i + per], n, max_new_tokens, temperature, top_p,
+                                  seed=seed + i, greedy=greedy_)
             ans = [a for a in answers[i:i + per] for _ in range(n)]
             acc += accuracy_reward(ro.prompts, ro.completions, ans)
             fmt += format_reward(ro.prompts, ro.completions)

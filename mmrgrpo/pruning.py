@@ -13,7 +13,8 @@ from fractions import Fraction
 import torch
 
 from .advantages import as_values, check_finite, group_view, whole_group_size
-from .safety import exact_rate, pruned_count, allocated_prompts   # built first: the config checks a run's batch with them
+# built first (09_safety): the config checks a run's batch with them
+from .safety import exact_rate, pruned_count, allocated_prompts
 
 # %% ../nbs/21_pruning.ipynb #2a8a9850
 def kept_count(group_size: int,  # G, completions per prompt
@@ -30,7 +31,7 @@ def keep_mask(advantages: torch.Tensor,  # (B*G,) advantages, ordered group by g
               group_size: int,           # G
               prune_rate,                # P in [0, 1)
               scope: str = "group",      # drop floor(P*G) of each "group", or floor(P*B*G) of the whole "batch"
-              mode: str = "abs_adv",     # keep the largest |A| ("abs_adv", CPPO); ablations: "random", "largest" (drop the largest |A|)
+              mode: str = "abs_adv",     # keep the largest |A| ("abs_adv", CPPO); ablations: "random", "largest"
               generator: torch.Generator = None,  # for mode="random"
              ) -> torch.Tensor:          # (B*G,) bool, True for the completions that stay
     "Which completions survive pruning: by default the largest |advantage| per group (ties: lowest index first)."

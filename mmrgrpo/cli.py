@@ -143,7 +143,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     "Evaluate the config's model (with a checkpoint's weights, if given) and print the metrics as JSON."
     from mmrgrpo.models import load_policy
     from mmrgrpo.sampling import HFBackend
-    from mmrgrpo.kvcache import reserve_cache
+    from mmrgrpo.speedups import first_hook
     from mmrgrpo.trainer import build_prompt, eval_source, run_eval, fit_prompts
     if c.eval_size < 1: raise ConfigError(f"eval_size={c.eval_size}: mmrgrpo eval needs at least 1 held-out task")
     if checkpoint: c = with_checkpoint_model(c, Path(checkpoint))
@@ -156,7 +156,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
         trained = [p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)]
         opt = torch.optim.AdamW(trained)
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    backend = HFBackend(model, tok, c.max_prompt_length, cache_room=reserve_cache)
+    backend = HFBackend(model, tok, c.max_prompt_length, cache_room=first_hook("cache_room"))
     prompts = [build_prompt(tok, c, t["question"], src) for t in tasks]
     res = run_eval(backend, prompts, [t["answer"] for t in tasks], c, tok, progress=True)
     print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # per-task lists are for files

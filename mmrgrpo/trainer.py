@@ -23,19 +23,14 @@ from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
 from .data import _is_file as is_file_source
 from .prompts import format_prompt, default_shots, check_prompt_lengths
-from .verifier_pool import get_reward_funcs, VERIFIED_REWARDS
+from .rewards import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
-from .sampler_copy import sampler_dtype, CopyBackend
-from .fused_decode import FusedBackend, fused_support
-from .kvcache import reserve_cache
 from .mmr import load_embedder
 from .evaluate import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
-from .fast_update import keep_freed_memory, KeptHeap
-from .bf16_update import wants_bf16_base, bf16_frozen_base
-from .matmul_attention import wants_matmul_attention
+from .speedups import speedups, hooks, first_answer, first_hook
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
                                  where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
                                  best_record, CheckpointSaveError)
@@ -55,7 +50,7 @@ class StepTools:
     ref_model: object = None         # a frozen copy for full fine-tuning with beta > 0 (LoRA turns its adapter off instead)
     embedder: object = None          # the sentence-transformers model MMR/DRA reweighting embeds with
     should_stop: object = None       # a function: True once a stop signal has waited too long (the step is then abandoned)
-    heap: KeptHeap = field(default_factory=KeptHeap)   # hands kept memory back between steps once it has grown (34_fast_update)
+    after_step: list = field(default_factory=list)     # the speed-ups' functions to call after each step (metrics)
 
 @dataclass
 class StepResult:
@@ -81,11 +76,10 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
                             should_stop=tools.should_stop)
     tools.scheduler.step()
     tools.backend.sync_weights(tools.model)
-    handed_back = tools.heap.after_step(rss_sampler().rss_mb())   # kept memory reused by the next step, unless it has grown
-    for m in (reweight_metrics, rollout_metrics(rollout, rewards), prune_metrics, update_metrics, phases.metrics()):
+    for m in (reweight_metrics, rollout_metrics(rollout, rewards), prune_metrics, update_metrics, phases.metrics(),
+              *(after() for after in tools.after_step)):
         metrics.update(m)
     metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0],
-                    "allocator/handed_back": float(handed_back),
                     # the whole run's peak so far (loading and evaluation too); the kernel's count can lag the sampler's by a page
                     "memory/process_peak": max(process_peak_rss_mb(), metrics.get("memory/peak", 0.0))})
     return StepResult(metrics, rollout, rewards, advantages)
@@ -131,8 +125,8 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
     with output_dir_lock(out, enabled=rank == 0), StopSignals(out) as stop:
         checkpoint = prepare_output_dir(out, c, rank)
         try: return _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop)
-        finally:      # keeping freed memory (34_fast_update) is this run's setting, not the whole process's
-            if c.keep_freed_memory is not False: keep_freed_memory(False)
+        finally:      # what a speed-up set for the run (e.g. glibc's thresholds) is the run's, not the process's
+            for tear_down in hooks("tear_down"): tear_down(c)
 
 # %% ../nbs/44_trainer.ipynb #6114c3d2
 def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state: dict, skipped_update: bool, stopping: bool):
@@ -327,18 +321,14 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
 
 # %% ../nbs/44_trainer.ipynb #68b4e1a3
 def make_backend(c: GRPOConfig, model, tokenizer):
-    "The generation backend the config asks for: transformers (on the policy, its merged copy, or that copy fused: 31a) or vLLM."
-    if c.generation_backend == "vllm":
-        from mmrgrpo.vllm_backend import VLLMBackend
-        return VLLMBackend(model, tokenizer, c)
-    copy_dtype = sampler_dtype(c.sampler_dtype, next(model.parameters()).device, c.load_in_4bit, c.sharding != "none")
-    kw = dict(max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt, cache_room=reserve_cache)
-    why = "no merged sampling copy here (a GPU, a 4-bit or sharded policy)" if copy_dtype is None else \
-          "fused_decode=false" if c.fused_decode is False else fused_support(model)
-    if why and c.fused_decode is True: raise ConfigError(f"fused_decode=true: the fused decoder cannot run: {why}; set fused_decode=auto")
-    if copy_dtype is None: return HFBackend(model, tokenizer, **kw)
-    kw.update(copy_dtype=copy_dtype, record_logprobs=c.tis_cap_ > 0)
-    return CopyBackend(model, tokenizer, **kw) if why else FusedBackend(model, tokenizer, **kw)
+    "The run's sampler: the first speed-up's that serves `c` here (`40c_speedups`), else transformers' `generate`."
+    room = first_hook("cache_room")
+    backend = first_answer("sampler", c, model, tokenizer, room)
+    if backend is not None: return backend
+    if c.generation_backend != "hf":
+        raise ConfigError(f"generation_backend={c.generation_backend}: no installed speed-up serves it (the vLLM one "
+                          "registers with the package: pip install -e . or pip install mmrgrpo)")
+    return HFBackend(model, tokenizer, max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt, cache_room=room)
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
@@ -354,7 +344,10 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.learning_rate,
                                   weight_decay=c.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (c.warmup_steps + 1)))
-    return StepTools(model, tokenizer, optimizer, scheduler, backend, reward_funcs, ref_model, embedder)
+    device = next(model.parameters()).device
+    after_step = [f for f in (hook(c, device) for hook in hooks("after_step")) if f is not None]
+    return StepTools(model, tokenizer, optimizer, scheduler, backend, reward_funcs, ref_model, embedder,
+                     after_step=after_step)
 
 # %% ../nbs/44_trainer.ipynb #471c197a
 def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: StopSignals) -> tuple:
@@ -364,7 +357,7 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
     data = fit_run_data(tokenizer, c, data)
-    speed = speed_settings(c, model, device)       # 34_fast_update, 34b_bf16_update: the allocator and a bf16 base, before the sampler copies it
+    speed = speed_settings(c, model, device)       # the speed-ups' settings, before the sampler copies the weights
     tools = build_step_tools(c, model, tokenizer)
     copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
     check_step_memory(tools.model, c, world, copies, warn=rank == 0,     # before any step: refuse what cannot fit, warn what may not
@@ -372,18 +365,17 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
     sampler = getattr(tools.backend, "copy_dtype", None)
     sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
-    if isinstance(tools.backend, FusedBackend): sampler += " (fused decoder)"
-    if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}")
+    if getattr(tools.backend, "sampler_note", None): sampler += f" ({tools.backend.sampler_note})"
+    if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}"
+                        + ("" if speedups() else "; no speed-ups installed (plain GRPO)"))
     return data, tools, {**precision.metrics(), "precision/sampler": sampler, **speed}
 
 def speed_settings(c: GRPOConfig, model, device) -> dict:
-    "Apply `34_fast_update`'s and `34b_bf16_update`'s settings of the process and the weights that the config asks for; what was applied, for the first metrics row."
-    kept = torch.device(device).type == "cpu" and c.keep_freed_memory is not False and keep_freed_memory()
-    if c.keep_freed_memory is True and not kept: print("keep_freed_memory=true: no glibc mallopt here; memory is handled as usual", file=sys.stderr)
-    if wants_bf16_base(c, device): bf16_frozen_base(model)
+    "Every speed-up's `set_up` for this run, lowest rank first; with the frozen base's dtype, the first row's metrics."
+    applied = {}
+    for set_up in hooks("set_up"): applied.update(set_up(c, model, device))
     base = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2} - {torch.float32}
-    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), "allocator/keep_freed": bool(kept),
-            "update/attention": "matmul" if wants_matmul_attention(c, device) else "sdpa"}
+    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), **applied}
 
 # %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:

@@ -139,6 +139,29 @@ def test_every_notebook_opens_with_a_summary():
     assert missing == []
 
 
+# the appendix after the command line: CPU speed (a KV cache with room, the sampling copy and its fused decoder, the fast
+# update and its attention and bf16 parts), the reward's worker processes, and vLLM
+SPEED_AND_SCALE = {"kvcache", "sampler_copy", "fused_decode", "fast_update", "matmul_attention", "bf16_update",
+                   "verifier_pool", "vllm_backend"}
+
+
+def test_the_speed_part_comes_after_the_trainer_and_the_cli():
+    "The main path reads plain GRPO -> the methods -> the trainer -> the CLI; every appendix notebook comes after them all."
+    order = story()
+    last_main = max(i for i, (_, m, _) in enumerate(order) if m in ("trainer", "cli"))
+    early = [name for name, m, _ in order[:last_main] if m in SPEED_AND_SCALE]
+    assert early == [], early
+    assert {m for _, m, _ in order} >= SPEED_AND_SCALE       # each is still built, after the main path
+
+
+def test_the_main_path_uses_no_appendix_module():
+    "No main-path module imports one of the appendix's (the trainer finds those as speed-ups, `40b_speedups`)."
+    order = story()
+    main = {m for _, m, _ in order if m and m not in SPEED_AND_SCALE}
+    used = [(m, dep) for m in sorted(main) for dep in relative_imports(ROOT / "mmrgrpo" / f"{m}.py") & SPEED_AND_SCALE]
+    assert used == []
+
+
 def test_the_path_opens_with_a_grpo_step():
     "The first lesson takes a whole GRPO step, and builds and uses no module of the package, so nothing has to come before it."
     assert story()[0] == ("01_grpo_step.ipynb", None, set())

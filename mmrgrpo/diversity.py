@@ -1,4 +1,4 @@
-"""MMR's goal, down-weighting near-duplicates, as a credit that moves reward only among the answers that did better than their group.
+"""The paper's rule fails on the rollout; the credit (`mmr=true`) moves advantage only among above-mean answers.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/diversity.html.md"""
 

@@ -1,4 +1,4 @@
-"""Down-weight completions that repeat their siblings, so a group's rewards say more per sample.
+"""The paper's MMR rule, built up and run on a cached rollout: each reward traded off against repeating earlier picks.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/mmr.html.md"""
 

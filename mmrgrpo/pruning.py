@@ -1,4 +1,4 @@
-"""Keep only the completions whose advantage is large enough to matter, and skip the policy update for the rest.
+"""CPPO's pruning built up: exact counts, then a mask of each group's largest |advantage|, run on the cached rollout.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/pruning.html.md"""
 

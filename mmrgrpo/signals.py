@@ -1,4 +1,4 @@
-"""SIGINT, SIGTERM and SIGHUP end a run with a checkpoint saved; a step too slow to end after the signal is abandoned.
+"""StopSignals built, then run in this process: a SIGTERM mid-step lets the step end and be saved; a second stops it.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/signals.html.md"""
 

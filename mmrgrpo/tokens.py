@@ -1,4 +1,4 @@
-"""Train on the tokens that carry most of the gradient: score every token, keep the top fifth of each group, zero the rest.
+"""GMTS step by step: score each token's gradient, keep each group's top fifth, zero the rest; run on the cached rollout.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/tokens.html.md"""
 

@@ -1,4 +1,4 @@
-"""Every knob of a run in one dataclass: documented fields, YAML files, command-line overrides, and errors that say what to change. (The module is longer than 300 lines because every field and every check of their combinations lives here, in one place.)
+"""Every knob in one dataclass, from YAML and overrides, errors naming fixes (longer than 300 lines because of checks).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/config.html.md"""
 
@@ -29,17 +29,26 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 # %% ../nbs/12_config.ipynb #3bc0da58
-# One cell of ~110 lines: a dataclass cannot be split across cells, and each of its fields is one line.
+# One cell of ~160 lines: a dataclass cannot be split across cells (a help too long for one line continues below it).
 @dataclass
 class GRPOConfig:
-    "All settings of a GRPO run. See each field's help; `load_config` reads them from YAML plus overrides."
+    "All settings of a GRPO run, each documented by its help; `load_config` reads them from YAML plus overrides."
     # --- model and adapter
-    model: str = _f("smollm2", "policy: 'smollm2' (the embedded SmolLM2-135M-Instruct), a hub id, a local folder, or a .gguf file")
-    gguf_file: Optional[str] = _f(None, "GGUF file name inside `model` when `model` is a folder or hub repo holding one")
-    trust_remote_code: bool = _f(False, "run Python code a model ships (auto_map) for the policy, tokenizer, embedder and vLLM; false: refuse such a model")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "the policy's weights: 'auto' (float32 on a CPU and for full fine-tuning; a GPU's 16-bit dtype for a frozen base) or a dtype")
-    autocast_bf16: typing.Union[bool, Literal["auto"]] = _f("auto", "autocast the update: true = bf16, false = off, 'auto' = where the hardware runs bf16 fast; the loss stays float32")
-    bf16_base: typing.Union[bool, Literal["auto"]] = _f("auto", "store a LoRA base's frozen linear weights in bf16 (needs bf16 autocast); 'auto': on a CPU where autocast is bf16")
+    model: str = _f(
+        "smollm2", "policy: 'smollm2' (the embedded SmolLM2-135M-Instruct), a hub id, a local folder, or a .gguf file")
+    gguf_file: Optional[str] = _f(
+        None, "GGUF file name inside `model` when `model` is a folder or hub repo holding one")
+    trust_remote_code: bool = _f(False, "run Python code a model ships (auto_map) for the policy, tokenizer, embedder "
+                                        "and vLLM; false: refuse such a model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "the policy's weights: 'auto' (float32 on a CPU and for full fine-tuning; a GPU's 16-bit dtype for a "
+        "frozen base) or a dtype")
+    autocast_bf16: typing.Union[bool, Literal["auto"]] = _f(
+        "auto", "autocast the update: true = bf16, false = off, 'auto' = where the hardware runs bf16 fast; "
+        "the loss stays float32")
+    bf16_base: typing.Union[bool, Literal["auto"]] = _f(
+        "auto", "store a LoRA base's frozen linear weights in bf16 (needs bf16 autocast); 'auto': on a CPU where "
+        "autocast is bf16")
     lora: bool = _f(True, "train a LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r)")
@@ -48,65 +57,102 @@ class GRPOConfig:
                                    "module names that get LoRA adapters (or ['all-linear'])")
     load_in_4bit: bool = _f(False, "QLoRA: load the base weights in 4-bit NF4 with bitsandbytes (needs lora)")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
-    sharding: Literal["none", "fsdp2"] = _f("none", "several processes: 'none' (whole model each; gradients summed) or 'fsdp2' (weights, gradients, optimizer state split)")
+    sharding: Literal["none", "fsdp2"] = _f("none", "several processes: 'none' (whole model each; gradients summed) or "
+                                                    "'fsdp2' (weights, gradients, optimizer state split)")
     # --- data
-    task: str = _f("arithmetic:1", "training tasks: 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset")
-    eval_task: Optional[str] = _f(None, "held-out tasks (default: the test split of `task`; arithmetic uses a disjoint seed)")
-    data_dir: Optional[str] = _f(None, "folder with local copies of gsm8k/ and math500/ (default: $MMRGRPO_DATA, else the hub)")
+    task: str = _f("arithmetic:1", "training tasks: 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet "
+                                   "path, or a hub dataset")
+    eval_task: Optional[str] = _f(
+        None, "held-out tasks (default: the test split of `task`; arithmetic uses a disjoint seed)")
+    data_dir: Optional[str] = _f(
+        None, "folder with local copies of gsm8k/ and math500/ (default: $MMRGRPO_DATA, else the hub)")
     system_prompt: Optional[str] = _f(None, "system message for the chat template (None: the model's default)")
     num_shots: int = _f(1, "worked examples put before each question as chat turns")
     skip_bad_rows: bool = _f(False, "skip and count malformed data rows instead of stopping")
     # --- sampling
     num_generations: int = _f(8, "G: completions sampled per prompt (a group)")
     prompts_per_step: int = _f(8, "B: prompts per step (all ranks together), so B*G completions per step")
-    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic (GPU: all at once; CPU: groups of ~1024 positions in fp32, ~1536 in bf16)")
+    micro_batch_size: int = _f(0, "completions per forward/backward pass; 0 = automatic (GPU: all at once; CPU: groups "
+                                  "of ~1024 positions in fp32, ~1536 in bf16)")
     max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are a data error")
     max_completion_length: int = _f(32, "new tokens sampled per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers generate) or 'vllm' (GPU, optional extra)")
-    sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f("auto", "hf backend: sample from a merged copy of the policy in this dtype; 'auto': bf16 where fast, else fp32; 'policy': none")
-    fused_decode: typing.Union[bool, Literal["auto"]] = _f("auto", "decode the sampling copy with fused, packed matmuls over a static cache; 'auto': where the model's layout allows (CPU)")
+    sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f(
+        "auto", "hf backend: sample from a merged copy of the policy in this dtype; 'auto': bf16 where fast, else "
+        "fp32; 'policy': none")
+    fused_decode: typing.Union[bool, Literal["auto"]] = _f(
+        "auto", "decode the sampling copy with fused, packed matmuls over a static cache; 'auto': where the model's "
+        "layout allows (CPU)")
     vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory the colocated vLLM engine may take")
-    vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update (frees GPU memory); null: on with CUDA, off on a CPU (CUDA-only)")
+    vllm_sleep: Optional[bool] = _f(None, "put the vLLM engine to sleep during the update (frees GPU memory); null: on "
+                                          "with CUDA, off on a CPU (CUDA-only)")
     # --- optimisation and loss
     learning_rate: float = _f(1e-4, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _f("grpo", "how per-token losses are averaged (see the loss notebook)")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _f(
+        "grpo", "how per-token losses are averaged (see the loss notebook)")
     beta: Optional[float] = _f(None, "KL penalty weight (None: 0.04 for grpo/dr_grpo, 0 for dapo)")
     eps_low: float = _f(0.2, "lower clip range of the ratio")
     eps_high: Optional[float] = _f(None, "upper clip range (None: 0.2, or 0.28 for dapo)")
-    scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(None, "divide advantages by the 'group' std, the 'batch' std, or 'none'; null: 'none' for dr_grpo, else 'group'")
+    scale_rewards: Optional[Literal["group", "batch", "none"]] = _f(
+        None, "divide advantages by the 'group' std, the 'batch' std, or 'none'; "
+        "null: 'none' for dr_grpo, else 'group'")
     num_iterations: int = _f(1, "optimisation passes over each batch of completions")
-    tis_cap: Optional[float] = _f(None, "cap of the importance weight pi_learner / pi_sampler per token; null: 2.0 with vLLM, off with hf; 0: off")
-    share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling prefill and update)")
+    tis_cap: Optional[float] = _f(None, "cap of the importance weight pi_learner / pi_sampler per token; null: 2.0 "
+                                        "with vLLM, off with hf; 0: off")
+    share_prompt: bool = _f(True, "run each group's prompt once and share its KV cache across the group (sampling "
+                                  "prefill and update)")
     logp_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs (bounds peak memory)")
-    fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: autograd through a checkpointed chunk")
-    update_attention: Literal["auto", "sdpa", "matmul"] = _f("auto", "the masked attention of the update's passes (reference and policy): 'matmul' (two matmuls and a softmax, the probabilities kept for the backward while under 16 MiB a layer), 'sdpa' (torch's fused kernel); 'auto': matmul on a CPU under bf16 autocast")
-    pack_completions: bool = _f(True, "in the update, lay each group's completions end to end without their padding (needs share_prompt and sdpa attention); false: padded rows")
-    keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f("auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; handed back between steps once the heap has grown by 10%; 'auto': on CPU runs")
-    max_nonfinite_steps: int = _f(3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
+    fused_head: bool = _f(True, "the output head's log-probs and their gradient in closed form per chunk; false: "
+                                "autograd through a checkpointed chunk")
+    update_attention: Literal["auto", "sdpa", "matmul"] = _f(
+        "auto", "the masked attention of the update's passes (reference and policy): 'matmul' (two matmuls and a "
+        "softmax, the probabilities kept for the backward while under 16 MiB a layer), 'sdpa' (torch's fused kernel); "
+        "'auto': matmul on a CPU under bf16 autocast")
+    pack_completions: bool = _f(True, "in the update, lay each group's completions end to end without their padding "
+                                      "(needs share_prompt and sdpa attention); false: padded rows")
+    keep_freed_memory: typing.Union[bool, Literal["auto"]] = _f(
+        "auto", "keep freed memory in the process for reuse (glibc), not return and fault it in again; handed back "
+        "between steps once the heap has grown by 10%; 'auto': on CPU runs")
+    max_nonfinite_steps: int = _f(
+        3, "stop after this many consecutive updates with a NaN/inf loss or gradient (each is skipped)")
     # --- rewards
-    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or 'package.module:function' (imported, so its code runs)")
+    reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or "
+                                                    "'package.module:function' (imported, so its code runs)")
     reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1)")
     reward_timeout: float = _f(2.0, "seconds allowed to verify one completion; slower ones score 0 and are counted")
-    on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
+    on_reward_error: Literal["raise", "zero"] = _f(
+        "raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
     # --- the three accelerations
     mmr: bool = _f(False, "MMR-GRPO: credit for diverse completions before the update (shorthand for reweight=mmr)")
-    reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' (MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
-    mmr_variant: Literal["credit", "reference"] = _f("credit", "MMR rule: 'credit' (default; credit moves only among above-mean answers, never to a wrong one) or 'reference'")
-    mmr_lambda: Optional[float] = _f(None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
-    mmr_first_pick: Literal["raw", "scaled"] = _f("raw", "the first pick keeps its raw reward ('raw', reference code) or lambda*r")
-    mmr_tie_break: Literal["distinct", "index"] = _f("distinct", "equal MMR scores: the completion least like the rest first ('distinct'), or the lowest row ('index', reference code)")
-    mmr_scope: Literal["group", "batch"] = _f("group", "MMR per group, or one greedy pass over the batch (reproduces the reference code)")
+    reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' "
+                                                         "(MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
+    mmr_variant: Literal["credit", "reference"] = _f(
+        "credit", "MMR rule: 'credit' (default; credit moves only among above-mean answers, never to a wrong one) or "
+        "'reference'")
+    mmr_lambda: Optional[float] = _f(
+        None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
+    mmr_first_pick: Literal["raw", "scaled"] = _f(
+        "raw", "the first pick keeps its raw reward ('raw', reference code) or lambda*r")
+    mmr_tie_break: Literal["distinct", "index"] = _f(
+        "distinct", "equal MMR scores: the completion least like the rest first ('distinct'), or the lowest row "
+        "('index', reference code)")
+    mmr_scope: Literal["group", "batch"] = _f("group", "MMR per group, or one greedy pass over the batch (reproduces "
+                                                       "the reference code)")
     embedding_model: Optional[str] = _f(None, "sentence-transformers model for MMR (None: embedded all-MiniLM-L6-v2)")
-    prune_rate: float = _f(0.0, "CPPO: fraction P of completions per group dropped (smallest |advantage|) before the update")
+    prune_rate: float = _f(
+        0.0, "CPPO: fraction P of completions per group dropped (smallest |advantage|) before the update")
     prune_scope: Literal["group", "batch"] = _f("group", "prune within each group, or over the whole batch")
-    prune_mode: Literal["abs_adv", "random", "largest"] = _f("abs_adv", "which completions survive: the largest |advantage| (CPPO), or the paper's ablations 'random' and 'largest'")
+    prune_mode: Literal["abs_adv", "random", "largest"] = _f(
+        "abs_adv", "which completions survive: the largest |advantage| (CPPO), or the paper's ablations "
+        "'random' and 'largest'")
     allocation: bool = _f(False, "sample round(B/(1-P)) prompts so the kept batch matches an unpruned one")
-    token_selection: Literal["none", "gmts", "entropy", "logit_grad"] = _f("none", "train only on the top tokens by this score")
+    token_selection: Literal["none", "gmts", "entropy", "logit_grad"] = _f(
+        "none", "train only on the top tokens by this score")
     keep_ratio: float = _f(0.2, "fraction of tokens kept by token selection, in (0, 1]")
     token_selection_inverse: bool = _f(False, "keep the LOWEST-scored tokens instead (the GMTS paper's ablation)")
     # --- schedule, evaluation, checkpoints, logging
@@ -117,12 +163,14 @@ class GRPOConfig:
     eval_samples: int = _f(0, "sampled completions per task for pass@1 (0: greedy accuracy only)")
     eval_before: bool = _f(True, "evaluate before the first step")
     save_every: int = _f(10, "write a checkpoint every N steps (0: only at the end)")
-    save_best: bool = _f(False, "also keep best-checkpoint: the weights of the best held-out eval/accuracy so far (needs eval_every > 0)")
+    save_best: bool = _f(False, "also keep best-checkpoint: the weights of the best held-out eval/accuracy so far "
+                                "(needs eval_every > 0)")
     log_completions_every: int = _f(5, "print a table of sample completions every N steps (0: never)")
     output_dir: str = _f("runs/latest", "folder for metrics.jsonl, checkpoints, plots")
     log_with: list = _f(["jsonl"], "metric sinks: any of jsonl (always on), tensorboard, trackio, wandb")
     resume_from: Optional[str] = _f(None, "checkpoint folder to continue from, or 'latest' (the newest in output_dir)")
-    overwrite: bool = _f(False, "a new run in an output_dir that holds a run first removes that run's files; false: such a run is refused")
+    overwrite: bool = _f(False, "a new run in an output_dir that holds a run first removes that run's files; false: "
+                                "such a run is refused")
     threads: int = _f(0, "torch CPU threads (0: torch's default)")
 
     @property
@@ -133,7 +181,8 @@ class GRPOConfig:
     @property
     def scale_rewards_(self) -> str:
         "The advantage scaling in effect."
-        return self.scale_rewards if self.scale_rewards is not None else ("none" if self.loss_type == "dr_grpo" else "group")
+        if self.scale_rewards is not None: return self.scale_rewards
+        return "none" if self.loss_type == "dr_grpo" else "group"
 
     @property
     def eps_high_(self) -> float:
@@ -150,9 +199,10 @@ MAX_LIST = 64                  # entries in a list field (reward functions, weig
 _STRING_LISTS = ("reward_funcs", "lora_target_modules", "log_with")
 
 def _check_list(name, value: list) -> list:
-    "A list field: at most `MAX_LIST` entries, strings where it names things (reward functions, modules, sinks); `reward_weights` is checked with the ranges."
+    "A list field: at most `MAX_LIST` entries, and strings where it names things (reward functions, modules, sinks)."
     if len(value) > MAX_LIST: raise ConfigError(f"{name} has {len(value)} entries: at most {MAX_LIST}")
-    if name in _STRING_LISTS and not all(isinstance(x, str) for x in value): raise ConfigError(f"{name}={_show(value)}: must be a list of strings")
+    if name in _STRING_LISTS and not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{name}={_show(value)}: must be a list of strings")
     return value
 
 def _big(n: int) -> str:
@@ -168,7 +218,8 @@ def _check_type(name, value, tp):
             try: return _check_type(name, value, a)
             except ConfigError as e: err = e
         if len(options) == 1: raise err
-        kinds = ["true or false" if a is bool else " or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
+        kinds = ["true or false" if a is bool
+                 else " or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
                  else a.__name__ for a in options]
         raise ConfigError(f"{name}={_show(value)} must be {' or '.join(kinds)}")
     if origin is Literal:
@@ -178,14 +229,18 @@ def _check_type(name, value, tp):
         raise ConfigError(f"{name}={_show(value)} must be true or false")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{name}={_show(value)} must be an integer")
-    if tp is int and abs(value) >= 2**63: raise ConfigError(f"{name}={_big(value)}: far too large (a typo?): at most 2**63 - 1")
+    if tp is int and abs(value) >= 2**63:
+        raise ConfigError(f"{name}={_big(value)}: far too large (a typo?): at most 2**63 - 1")
     if tp is float:
         if isinstance(value, str):      # YAML 1.1 reads 3e-4 (no dot) as a string: accept what float() accepts
             try: value = float(value)
             except ValueError: pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)): raise ConfigError(f"{name}={_show(value)} must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={_show(value)} must be a number")
         try: return float(value)
-        except OverflowError: raise ConfigError(f"{name}={_big(value)}: too large for a number (a typo?): write it as e.g. 1e-4") from None
+        except OverflowError:
+            raise ConfigError(f"{name}={_big(value)}: too large for a number (a typo?): "
+                              "write it as e.g. 1e-4") from None
     if tp is str and not isinstance(value, str): raise ConfigError(f"{name}={_show(value)} must be a string")
     if tp is list:
         if not isinstance(value, list): raise ConfigError(f"{name}={_show(value)} must be a list, e.g. [a, b]")
@@ -197,51 +252,68 @@ def prompts_to_sample(prompts_per_step: int, prune_rate: float, allocation: bool
     "Prompts sampled per step: B, or round(B / (1 - P)) with allocation on."
     return allocated_prompts(prompts_per_step, prune_rate) if allocation else prompts_per_step
 
-def _check_types(c: GRPOConfig):
-    "Every field of the annotated type (also for configs built in code), and no float that is not finite."
+def _typed_fields(c: GRPOConfig) -> dict:
+    "Each field's value as its annotated type, by name; a wrong type, or a float that is not finite, is an error."
     hints = typing.get_type_hints(GRPOConfig)
-    for f in fields(c): setattr(c, f.name, _check_type(f.name, getattr(c, f.name), hints[f.name]))   # also for configs built in code
-    for f in fields(c):       # YAML reads .inf and .nan as numbers
-        v = getattr(c, f.name)
-        if isinstance(v, float) and not math.isfinite(v): raise ConfigError(f"{f.name}={v}: must be a finite number")
+    typed = {f.name: _check_type(f.name, getattr(c, f.name), hints[f.name]) for f in fields(c)}
+    for name, value in typed.items():       # YAML reads .inf and .nan as numbers
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value}: must be a finite number")
+    return typed
+
+def _normalised(c: GRPOConfig) -> GRPOConfig:
+    "A copy of `c`: each field of its annotated type, `~` expanded in the run's folders, `mmr` as `reweight` says."
+    typed = _typed_fields(c)
+    resume_from = typed["resume_from"]
+    if resume_from not in (None, "", "latest"): resume_from = os.path.expanduser(resume_from)
+    # mmr=true is shorthand for reweight=mmr (with reweight=dra it is refused, in `_check_methods`)
+    reweight = "mmr" if typed["mmr"] and typed["reweight"] == "none" else typed["reweight"]
+    return dataclasses.replace(c, **{**typed, "output_dir": os.path.expanduser(typed["output_dir"]),
+                                     "resume_from": resume_from, "reweight": reweight,
+                                     "mmr": typed["mmr"] or reweight == "mmr"})
 
 def _check_batch(c: GRPOConfig, world_size: int, need):
-    "The step's batch: a valid prune rate, whole groups per process, and a micro-batch that divides the kept completions."
+    "The step's batch: a valid prune rate, whole groups per process, a micro-batch that divides the kept completions."
     try: P = exact_rate(c.prune_rate); need(0 <= P < 1, "")
-    except (ValueError, ConfigError): raise ConfigError(f"prune_rate={c.prune_rate}: the share of completions to prune must be in [0, 1)") from None
+    except (ValueError, ConfigError):
+        raise ConfigError(f"prune_rate={c.prune_rate}: the share of completions to prune must be in [0, 1)") from None
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
-    need(n_prompts % world_size == 0, f"prompts_per_step={c.prompts_per_step} ({n_prompts} sampled) is not divisible by the "
-         f"{world_size} processes: each process takes whole groups, so make it a multiple of {world_size}")
-    rows = n_prompts // world_size * c.num_generations       # completions each process samples per step
-    pruned = pruned_count(c.num_generations, P) * (n_prompts // world_size) if c.prune_scope == "group" else pruned_count(rows, P)
+    need(n_prompts % world_size == 0, f"prompts_per_step={c.prompts_per_step} ({n_prompts} sampled) is not divisible "
+         f"by the {world_size} processes: each process takes whole groups, so make it a multiple of {world_size}")
+    sampled = n_prompts // world_size * c.num_generations       # completions each process samples per step
+    if c.prune_scope == "group": pruned = pruned_count(c.num_generations, P) * (n_prompts // world_size)
+    else: pruned = pruned_count(sampled, P)
     if P and not pruned:
-        unit = f"num_generations={c.num_generations}" if c.prune_scope == "group" else f"the {rows} completions of a step"
-        warnings.warn(f"prune_rate={c.prune_rate} prunes nothing: floor({c.prune_rate} x {unit}) = 0 (pruning never drops more "
-                      "than asked); raise prune_rate or num_generations, or set prune_rate=0", stacklevel=3)
-    kept = rows - pruned
+        unit = (f"num_generations={c.num_generations}" if c.prune_scope == "group"
+                else f"the {sampled} completions of a step")
+        warnings.warn(f"prune_rate={c.prune_rate} prunes nothing: floor({c.prune_rate} x {unit}) = 0 (pruning never "
+                      "drops more than asked); raise prune_rate or num_generations, or set prune_rate=0", stacklevel=3)
+    kept = sampled - pruned
     need(c.micro_batch_size >= 0, f"micro_batch_size={c.micro_batch_size}: use 0 (automatic) or a positive number")
     need(not c.micro_batch_size or kept % c.micro_batch_size == 0,
          f"micro_batch_size={c.micro_batch_size} does not divide the {kept} completions each process updates per step "
-         f"({rows} sampled, {pruned} pruned): per-device batch counts completions, not prompts; pick a divisor of {kept}")
+         f"({sampled} sampled, {pruned} pruned): per-device batch counts completions, not prompts; "
+         f"pick a divisor of {kept}")
 
 # %% ../nbs/12_config.ipynb #2389c0b1
 MIN_TEMPERATURE = 1e-3         # logits / temperature stays within 16-bit floats' range
 
 def _check_methods(c: GRPOConfig, need):
-    "The methods and the loss: token keep ratio, MMR's switches (it sets `reweight` from `mmr=true`), lengths, sampling, optimisation."
+    "The methods and the loss: token keep ratio, MMR's switches, lengths, sampling and optimisation."
     need(0 < c.keep_ratio <= 1, f"keep_ratio={c.keep_ratio}: must be in (0, 1]")
-    need(c.keep_ratio >= 1e-6, f"keep_ratio={c.keep_ratio}: keeps no token of a group (use at least 1e-6); a run on no token learns nothing")
-    if c.mmr:
-        need(c.reweight in ("none", "mmr"), f"mmr=true and reweight={c.reweight!r} contradict each other: set one of them")
-        c.reweight = "mmr"
-    c.mmr = c.reweight == "mmr"
-    need(not (c.mmr and c.mmr_variant == "credit" and c.mmr_scope == "batch"), "mmr_scope=batch pools the groups of a step, "
-         "which only the paper's rule does: set mmr_variant=reference (to reproduce the reference code) or mmr_scope=group")
-    need(c.mmr_lambda is None or 0 < c.mmr_lambda <= 1, f"mmr_lambda={c.mmr_lambda}: must be in (0, 1], or null for adaptive")
+    need(c.keep_ratio >= 1e-6, f"keep_ratio={c.keep_ratio}: keeps no token of a group (use at least 1e-6); "
+         "a run on no token learns nothing")
+    need(not c.mmr or c.reweight == "mmr",
+         f"mmr=true and reweight={c.reweight!r} contradict each other: set one of them")
+    need(not (c.mmr and c.mmr_variant == "credit" and c.mmr_scope == "batch"), "mmr_scope=batch pools the groups of a "
+         "step, which only the paper's rule does: set mmr_variant=reference (to reproduce the reference code) "
+         "or mmr_scope=group")
+    need(c.mmr_lambda is None or 0 < c.mmr_lambda <= 1,
+         f"mmr_lambda={c.mmr_lambda}: must be in (0, 1], or null for adaptive")
     need(c.max_completion_length >= 1, f"max_completion_length={c.max_completion_length}: use at least 1")
     need(c.max_prompt_length >= 1, f"max_prompt_length={c.max_prompt_length}: use at least 1")
-    need(c.temperature >= MIN_TEMPERATURE, f"temperature={c.temperature}: must be at least {MIN_TEMPERATURE} (logits divided by "
-         "less overflow; for greedy answers use a small temperature such as 0.01)")
+    need(c.temperature >= MIN_TEMPERATURE, f"temperature={c.temperature}: must be at least {MIN_TEMPERATURE} (logits "
+         "divided by less overflow; for greedy answers use a small temperature such as 0.01)")
     need(0 < c.top_p <= 1, f"top_p={c.top_p}: must be in (0, 1]")
     need(c.learning_rate > 0, f"learning_rate={c.learning_rate}: must be > 0")
     need(c.num_iterations >= 1, f"num_iterations={c.num_iterations}: use at least 1")
@@ -249,57 +321,65 @@ def _check_methods(c: GRPOConfig, need):
     need(c.beta_ >= 0, f"beta={c.beta}: must be >= 0")
     need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
     need(c.eps_low < 1, f"eps_low={c.eps_low}: must be below 1 (the ratio is clipped below at 1 - eps_low)")
-    for idle, why in ((c.allocation and not c.prune_rate, "allocation=true does nothing with prune_rate=0: it samples extra "
-                       "prompts only to refill what pruning drops"),
-                      (c.token_selection_inverse and c.token_selection == "none", "token_selection_inverse=true does nothing "
-                       "with token_selection=none"),
-                      (c.steps and c.warmup_steps > c.steps, f"warmup_steps={c.warmup_steps} with steps={c.steps}: the "
-                       "learning rate never reaches learning_rate")):
+    for idle, why in ((c.allocation and not c.prune_rate, "allocation=true does nothing with prune_rate=0: it samples "
+                       "extra prompts only to refill what pruning drops"),
+                      (c.token_selection_inverse and c.token_selection == "none", "token_selection_inverse=true does "
+                       "nothing with token_selection=none"),
+                      (c.steps and c.warmup_steps > c.steps, f"warmup_steps={c.warmup_steps} with steps={c.steps}: "
+                       "the learning rate never reaches learning_rate")):
         if idle: warnings.warn(why, stacklevel=4)
 
 # %% ../nbs/12_config.ipynb #1269bd47
 def _check_engines(c: GRPOConfig, world_size: int, need):
-    "What the engines allow: importance correction, reward weights, QLoRA, the sampling copy under FSDP2, logs, resume, the best checkpoint."
-    need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off with hf); "
-         "it caps the importance weight pi_learner / pi_sampler")
+    "What the engines allow: importance correction, reward weights, QLoRA, FSDP2, logs, the update, the run folder."
+    need(c.tis_cap is None or c.tis_cap >= 0, f"tis_cap={c.tis_cap}: must be >= 0 (0: off; null: 2.0 with vLLM, off "
+         "with hf); it caps the importance weight pi_learner / pi_sampler")
     need(not (c.tis_cap and c.generation_backend == "hf" and c.sampler_dtype == "policy"), f"tis_cap={c.tis_cap} with "
-         "generation_backend=hf and sampler_dtype=policy: the learner samples itself and there is nothing to correct; set "
-         "tis_cap=0 or null, or sample from a merged copy (sampler_dtype=auto/bfloat16), whose log-probs are recorded")
+         "generation_backend=hf and sampler_dtype=policy: the learner samples itself and there is nothing to correct; "
+         "set tis_cap=0 or null, or sample from a merged copy (sampler_dtype=auto/bfloat16), "
+         "whose log-probs are recorded")
     need(c.reward_weights is None or len(c.reward_weights) == len(c.reward_funcs),
-         f"reward_weights has {len(c.reward_weights or [])} entries for {len(c.reward_funcs)} reward_funcs: give one weight each")
-    need(not (c.load_in_4bit and not c.lora), "load_in_4bit=true (QLoRA) needs lora=true: 4-bit base weights cannot be trained directly")
-    need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with load_in_4bit=true: "
-         "a 4-bit base cannot be copied with its adapter folded in; use sampler_dtype=auto or policy")
-    need(not (world_size > 1 and (c.sharding == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"))
-                and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with FSDP2 sharding: a merged "
-         "sampling copy needs the whole weights and each process holds a shard; use sampler_dtype=auto or policy")
+         f"reward_weights has {len(c.reward_weights or [])} entries for {len(c.reward_funcs)} reward_funcs: "
+         "give one weight each")
+    need(not (c.load_in_4bit and not c.lora),
+         "load_in_4bit=true (QLoRA) needs lora=true: 4-bit base weights cannot be trained directly")
+    need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with "
+         "load_in_4bit=true: a 4-bit base cannot be copied with its adapter folded in; "
+         "use sampler_dtype=auto or policy")
+    fsdp = c.sharding == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    need(not (world_size > 1 and fsdp and c.sampler_dtype not in ("auto", "policy")),
+         f"sampler_dtype={c.sampler_dtype} with FSDP2 sharding: a merged sampling copy needs the whole weights and "
+         "each process holds a shard; use sampler_dtype=auto or policy")
     bad = set(c.log_with) - {"jsonl", "tensorboard", "trackio", "wandb"}
     need(not bad, f"log_with has unknown sinks {sorted(bad)}: use jsonl, tensorboard, trackio, wandb")
     absent = [s for s in c.log_with if s != "jsonl" and importlib.util.find_spec(s) is None]
-    need(not absent, lambda: f"log_with={c.log_with}: {', '.join(absent)} is not installed: `pip install {' '.join(absent)}`, "
-         "or leave it out (metrics.jsonl is always written)")
+    need(not absent, lambda: f"log_with={c.log_with}: {', '.join(absent)} is not installed: "
+         f"`pip install {' '.join(absent)}`, or leave it out (metrics.jsonl is always written)")
     need(c.logp_chunk_size >= 1, f"logp_chunk_size={c.logp_chunk_size}: use at least 1")
-    need(not (c.bf16_base is True and (not c.lora or c.load_in_4bit or c.autocast_bf16 is False)), f"bf16_base=true with "
-         f"lora={c.lora}, load_in_4bit={c.load_in_4bit}, autocast_bf16={c.autocast_bf16}: a bf16 base needs a LoRA adapter over "
-         "16/32-bit weights and bf16 autocast; set bf16_base=auto")
-    need(not (c.update_attention == "matmul" and c.gradient_checkpointing), "update_attention=matmul with gradient_checkpointing: "
-         "a checkpointed layer runs its forward again in the backward pass, outside the update's attention; set update_attention=auto")
-    need(not (c.fused_decode is True and (c.generation_backend != "hf" or c.sampler_dtype == "policy")), f"fused_decode=true "
-         f"with generation_backend={c.generation_backend}, sampler_dtype={c.sampler_dtype}: the fused decoder runs the hf "
-         "backend's merged sampling copy; set fused_decode=auto")
+    need(not (c.bf16_base is True and (not c.lora or c.load_in_4bit or c.autocast_bf16 is False)), f"bf16_base=true "
+         f"with lora={c.lora}, load_in_4bit={c.load_in_4bit}, autocast_bf16={c.autocast_bf16}: a bf16 base needs a "
+         "LoRA adapter over 16/32-bit weights and bf16 autocast; set bf16_base=auto")
+    need(not (c.update_attention == "matmul" and c.gradient_checkpointing), "update_attention=matmul with "
+         "gradient_checkpointing: a checkpointed layer runs its forward again in the backward pass, outside the "
+         "update's attention; set update_attention=auto")
+    need(not (c.fused_decode is True and (c.generation_backend != "hf" or c.sampler_dtype == "policy")),
+         f"fused_decode=true with generation_backend={c.generation_backend}, sampler_dtype={c.sampler_dtype}: "
+         "the fused decoder runs the hf backend's merged sampling copy; set fused_decode=auto")
     need(c.max_nonfinite_steps >= 1, f"max_nonfinite_steps={c.max_nonfinite_steps}: use at least 1")
-    need(not (c.overwrite and c.resume_from), f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
-    need(not c.save_best or (c.eval_every and c.eval_size), f"save_best=true with eval_every={c.eval_every}, eval_size={c.eval_size}: "
-         "the best checkpoint is picked by the held-out evaluations every eval_every steps; set both above 0")
+    need(not (c.overwrite and c.resume_from),
+         f"overwrite=true removes the run that resume_from={c.resume_from!r} continues: use one")
+    need(not c.save_best or (c.eval_every and c.eval_size), f"save_best=true with eval_every={c.eval_every}, "
+         f"eval_size={c.eval_size}: the best checkpoint is picked by the held-out evaluations every eval_every steps; "
+         "set both above 0")
 
 # %% ../nbs/12_config.ipynb #a04dfd4d
 def check_config(c: GRPOConfig, world_size: int = 1) -> GRPOConfig:
-    "Raise a `ConfigError` naming the field and the fix for the first setting that cannot work."
+    "A checked copy of `c` to run (see `_normalised`), or a `ConfigError` naming the field and the fix."
     def need(ok, msg):          # `msg` may be a function: a message is built only when the check fails
         if not ok: raise ConfigError(msg() if callable(msg) else msg)
-    _check_types(c)
-    _expand_paths(c)
-    need(c.num_generations >= 2, f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
+    c = _normalised(c)          # from here on, the copy: the config given to us stays as it was
+    need(c.num_generations >= 2,
+         f"num_generations={c.num_generations}: GRPO compares completions within a group, use at least 2")
     need(c.prompts_per_step >= 1, f"prompts_per_step={c.prompts_per_step}: use at least 1")
     _check_sizes(c, need)
     _check_batch(c, world_size, need)
@@ -318,24 +398,26 @@ def _check_ranges(c: GRPOConfig, need):
     need(c.weight_decay >= 0, f"weight_decay={c.weight_decay}: must be >= 0 (0: no decay)")
     need(c.warmup_steps >= 0, f"warmup_steps={c.warmup_steps}: must be >= 0 (0: no warm-up); a negative value gives a "
          "negative learning rate, which climbs the loss")
-    need(c.max_grad_norm >= 0, f"max_grad_norm={c.max_grad_norm}: must be >= 0 (0 disables clipping); a negative norm flips "
-         "the gradients")
+    need(c.max_grad_norm >= 0, f"max_grad_norm={c.max_grad_norm}: must be >= 0 (0 disables clipping); a negative norm "
+         "flips the gradients")
     need(c.reward_timeout > 0, f"reward_timeout={c.reward_timeout}: must be > 0 seconds")
     need(c.threads >= 0, f"threads={c.threads}: use 0 (torch's default) or a positive number")
-    need(0 < c.vllm_gpu_memory_utilization <= 1, f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization}: must be in (0, 1]")
+    need(0 < c.vllm_gpu_memory_utilization <= 1,
+         f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization}: must be in (0, 1]")
     need(0 <= c.seed < 2**31, f"seed={c.seed}: use 0 to {2**31 - 1}")
     for name in ("eval_every", "eval_size", "eval_samples", "save_every", "log_completions_every"):
         need(getattr(c, name) >= 0, f"{name}={getattr(c, name)}: must be >= 0 (0 turns it off)")
     need(c.reward_weights is None or all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                                          for w in c.reward_weights),
          lambda: f"reward_weights={_show(c.reward_weights)}: each weight must be a finite number")
-    need(c.output_dir.strip() != "", f"output_dir={c.output_dir!r}: empty means the current folder, where the run would write and "
-         "prune checkpoint-* folders: name a folder, e.g. runs/latest (or '.' if you mean the current folder)")
+    need(c.output_dir.strip() != "", f"output_dir={c.output_dir!r}: empty means the current folder, where the run "
+         "would write and prune checkpoint-* folders: name a folder, e.g. runs/latest "
+         "(or '.' if you mean the current folder)")
     from mmrgrpo.data import DEFAULT_SHOTS, task_family
     for t in dict.fromkeys(filter(None, (c.task, c.eval_task))):
         n = len(DEFAULT_SHOTS[task_family(t)])
-        need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for {task_family(t)} "
-             f"tasks ({t!r}): use 0 to {n}")
+        need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for "
+             f"{task_family(t)} tasks ({t!r}): use 0 to {n}")
 
 MAX_CHARS_PER_TOKEN = 64     # more than any tokenizer's longest token; a longer text cannot fit, whatever its tokens
 
@@ -344,25 +426,20 @@ LIMITS = dict(num_generations=1024, prompts_per_step=4096, max_completion_length
               lora_alpha=1 << 20, threads=4096)
 
 def _check_sizes(c: GRPOConfig, need):
-    "Upper bounds, so a typo costs a line and not gigabytes: sizes (`LIMITS`), time limits, and at least one reward function."
+    "Upper bounds (`LIMITS`, the reward time limit, the system prompt's length), and at least one reward function."
     for name, most in LIMITS.items():
-        need(getattr(c, name) <= most, lambda: f"{name}={getattr(c, name)}: at most {most} (a larger value is a typo, or a run "
-             "no machine holds)")
+        need(getattr(c, name) <= most, lambda: f"{name}={getattr(c, name)}: at most {most} (a larger value is a typo, "
+             "or a run no machine holds)")
     need(c.reward_timeout <= 3600, f"reward_timeout={c.reward_timeout:g}: at most 3600 seconds per completion")
-    need(len(c.reward_funcs) >= 1, "reward_funcs=[]: a run needs at least one reward function (e.g. [accuracy, format]); "
-         "with none every reward is 0 and nothing is learned")
+    need(len(c.reward_funcs) >= 1, "reward_funcs=[]: a run needs at least one reward function "
+         "(e.g. [accuracy, format]); with none every reward is 0 and nothing is learned")
     need(len(c.system_prompt or "") <= MAX_CHARS_PER_TOKEN * c.max_prompt_length, lambda: f"system_prompt has "
-         f"{len(c.system_prompt):,} characters: no prompt holding it fits in max_prompt_length={c.max_prompt_length} tokens; "
-         "shorten it or raise max_prompt_length")
-
-def _expand_paths(c: GRPOConfig):
-    "`~` in the folders a run writes to or resumes from, expanded as in `task` and `data_dir` (not a folder named '~')."
-    c.output_dir = os.path.expanduser(c.output_dir)
-    if c.resume_from and c.resume_from != "latest": c.resume_from = os.path.expanduser(c.resume_from)
+         f"{len(c.system_prompt):,} characters: no prompt holding it fits in max_prompt_length={c.max_prompt_length} "
+         "tokens; shorten it or raise max_prompt_length")
 
 def _check_reward_funcs(c: GRPOConfig):
-    "Import the reward functions now, before any model loads: a 'package.module:function' entry runs that module's code."
-    from mmrgrpo.verifier_pool import get_reward_funcs, num_workers
+    "Import the reward functions before any model loads (a 'package.module:function' entry runs that module's code)."
+    from mmrgrpo.rewards import get_reward_funcs, num_workers
     try: get_reward_funcs(c.reward_funcs)
     except ValueError as e: raise ConfigError(f"reward_funcs: {e}") from None
     try: num_workers()                                    # the verifier processes: a bad MMRGRPO_REWARD_WORKERS
@@ -377,36 +454,31 @@ def read_config_file(path: Path) -> dict:
     return d
 
 # %% ../nbs/12_config.ipynb #d6a95b63
-_FIELDS = None
-
-def _fields():
-    global _FIELDS
-    if _FIELDS is None: _FIELDS = {f.name: f for f in fields(GRPOConfig)}
-    return _FIELDS
-
 def parse_overrides(pairs) -> dict:
     "Turn ['steps=5', 'mmr=true'] into {'steps': 5, 'mmr': True}; None or one string (`'steps=5'`) are taken too."
     out = {}
     for p in [pairs] if isinstance(pairs, str) else pairs or ():
-        if "=" not in p or not p.split("=", 1)[0].strip(): raise ConfigError(f"override {_show(p)} is not key=value (e.g. steps=5)")
+        if "=" not in p or not p.split("=", 1)[0].strip():
+            raise ConfigError(f"override {_show(p)} is not key=value (e.g. steps=5)")
         k, v = p.split("=", 1)
-        if k.strip() in out: raise ConfigError(f"override {_show(p)}: {k.strip()} is given twice on the command line: keep one")
+        if k.strip() in out:
+            raise ConfigError(f"override {_show(p)}: {k.strip()} is given twice on the command line: keep one")
         out[k.strip()] = read_yaml(v, f"override {_show(p)}", ConfigError) if v.strip() else None
     return out
 
 def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:
     "Build a checked `GRPOConfig` from a mapping; unknown keys and wrong types are errors."
-    fs, hints = _fields(), typing.get_type_hints(GRPOConfig)
-    unknown = [k for k in d if k not in fs]
+    names, hints = [f.name for f in fields(GRPOConfig)], typing.get_type_hints(GRPOConfig)
+    unknown = [k for k in d if k not in names]
     if unknown:
-        hint = {k: slip_of(str(k), fs, cutoff=0.6) for k in unknown}
+        near = {k: slip_of(str(k), names, cutoff=0.6) for k in unknown}
         raise ConfigError(f"{source}: unknown key(s) " + ", ".join(f"{k!r}" + (f" (did you mean {h!r}?)" if h else "")
-                                                                 for k, h in hint.items()))
+                                                                 for k, h in near.items()))
     vals = {k: _check_type(k, v, hints[k]) for k, v in d.items()}
     return check_config(GRPOConfig(**vals))
 
 def load_config(path=None, overrides=(), **kwargs) -> GRPOConfig:
-    "Read a YAML config file (optional), apply keyword overrides, then `key=value` overrides (these win), and check it all."
+    "Read a YAML config file (optional), apply keywords, then `key=value` overrides (these win), and check it all."
     d = {}
     if path is not None:
         path = Path(path); d = read_config_file(path)

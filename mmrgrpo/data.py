@@ -1,4 +1,4 @@
-"""Math tasks as plain records, drawn deterministically step by step, and checked when they are loaded: bad rows named with their line and the fix, GSM8K and MATH-500 read, held-out rows kept apart. (The module is longer than 300 lines because every check a data row must pass lives with the loaders.)
+"""Math tasks drawn by step, GSM8K and MATH-500 read, bad rows named (longer than 300 lines because of the row checks).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 
@@ -17,15 +17,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
-from .rewards import _clip, _not_a_gold
+from .rewards import _clip, _not_a_gold, check_golds, BUILTIN_REWARDS
 from .safety import slip_of
-from .verifier_pool import check_golds, BUILTIN_REWARDS
 
 _log = logging.getLogger(__name__)
 
 # %% ../nbs/11_data.ipynb #a0d4419f
 class DataError(ValueError):
-    "Task data that cannot be used; the message names the file (or dataset) and the 1-based row, and says what to change."
+    "Task data that cannot be used; its message names the file (or dataset), the 1-based row, and what to change."
 
 # %% ../nbs/11_data.ipynb #b21a28b7
 ARITHMETIC_LEVELS = {1: "single-digit sums", 2: "two-digit sums",
@@ -49,10 +48,11 @@ def arithmetic_task(rng: random.Random, level: int) -> dict:
         a, b, op = two_digit(), two_digit(), rng.choice("+-")
         expr, value = f"{a} {op} {b}", a + b if op == "+" else a - b
     else:
-        x, y, c, op, product_first = rng.randint(2, 9), rng.randint(2, 9), two_digit(), rng.choice("+-"), rng.random() < 0.5
+        x, y, term = rng.randint(2, 9), rng.randint(2, 9), two_digit()   # in this order: a seed gives the same tasks
+        op, product_first = rng.choice("+-"), rng.random() < 0.5
         sign = 1 if op == "+" else -1
-        expr, value = ((f"{x} * {y} {op} {c}", x * y + sign * c) if product_first else
-                       (f"{c} {op} {x} * {y}", c + sign * x * y))
+        expr, value = ((f"{x} * {y} {op} {term}", x * y + sign * term) if product_first else
+                       (f"{term} {op} {x} * {y}", term + sign * x * y))
     return {"question": f"What is {expr}?", "answer": str(value)}
 
 def arithmetic_tasks(n: int, level: int = 1, seed: int = 0) -> list:
@@ -89,7 +89,9 @@ def tasks_for_step(source: Union[ArithmeticStream, list],  # an endless stream o
     "The `n` tasks of step `step`, a pure function of `(source, step, n, seed)` (copies: change them freely)."
     if step < 0 or n < 1: raise ValueError(f"step={step}, n={n}: need step >= 0 and n >= 1")
     if isinstance(source, ArithmeticStream): return source.tasks(step, n, seed)
-    if isinstance(source, (str, dict)) or not len(source): raise DataError(f"tasks_for_step: source={_clip(repr(source))} holds no tasks: pass task_source(task) or a non-empty list of records")
+    if isinstance(source, (str, dict)) or not len(source):
+        raise DataError(f"tasks_for_step: source={_clip(repr(source))} holds no tasks: pass task_source(task) "
+                        "or a non-empty list of records")
     N = len(source)
     return [dict(source[_epoch_order(N, seed, i // N)[i % N]]) for i in range(step * n, step * n + n)]
 
@@ -108,7 +110,8 @@ def _read_jsonl(path: Path):
         if not line.strip(): continue
         try: text = line.decode("utf-8-sig" if row == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            yield row, _BadRow(f"invalid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}); re-save the file as UTF-8")
+            yield row, _BadRow(f"invalid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}); "
+                               "re-save the file as UTF-8")
             continue
         try: obj = json.loads(text)
         except RecursionError:
@@ -120,21 +123,25 @@ def _read_jsonl(path: Path):
             continue
         yield row, obj if isinstance(obj, dict) else _BadRow(f"expected a JSON object, got {type(obj).__name__}")
 
+# %% ../nbs/11_data.ipynb #6e3b7044
 def _read_json(path: Path):
-    "Yield (record number, dict or _BadRow) for a .json file holding a list of objects (or, if it is really JSON Lines, its lines)."
+    "Yield (record number, dict or _BadRow) for a .json file holding a list of objects (or JSON Lines named .json)."
     data = path.read_bytes()
     if not data.strip(): raise _empty(path)
     try: text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise DataError(f"{path} line {line}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-save the file as UTF-8") from None
+        lineno = data[:e.start].count(b"\n") + 1
+        raise DataError(f"{path} line {lineno}: invalid UTF-8 (byte 0x{data[e.start]:02x}); "
+                        "re-save the file as UTF-8") from None
     try: obj = json.loads(text)
-    except RecursionError: raise DataError(f"{path}: JSON nested too deep to read (a task row holds a question and an answer)") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deep to read (a task row holds a question and an answer)") from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data": yield from _read_jsonl(path); return      # one object per line, named .json
         raise DataError(f"{path} line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     except ValueError as e:          # an integer of more than 4300 digits, which Python will not read
-        raise DataError(f"{path}: invalid JSON ({_clip(str(e).split(';')[0])}); write such numbers as strings") from None
+        raise DataError(f"{path}: invalid JSON ({_clip(str(e).split(';')[0])}); "
+                        "write such numbers as strings") from None
     if not isinstance(obj, list): raise DataError(f"{path}: expected a list of objects, got a {type(obj).__name__}")
     if not obj: raise _empty(path)
     for row, item in enumerate(obj, 1):
@@ -143,11 +150,12 @@ def _read_json(path: Path):
 def _read_parquet(path: Path):
     "Yield (row number, dict) for a parquet file."
     import pyarrow as pa, pyarrow.parquet as pq
-    try: rows = pq.read_table(path).to_pylist()
+    try: items = pq.read_table(path).to_pylist()
     except pa.ArrowException as e:
-        raise DataError(f"{path} is not a readable parquet file ({_clip(str(e))}): write it again, or use .jsonl") from None
-    if not rows: raise _empty(path)
-    yield from enumerate(rows, 1)
+        raise DataError(f"{path} is not a readable parquet file ({_clip(str(e))}): "
+                        "write it again, or use .jsonl") from None
+    if not items: raise _empty(path)
+    yield from enumerate(items, 1)
 
 READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
 
@@ -157,28 +165,29 @@ def gsm8k_gold(solution: str) -> str:
     if "####" not in solution: raise _BadRow("the GSM8K answer has no '#### <number>' line")
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
-# what reward functions are called with besides the columns: the trainer's arguments and the built-in rewards' own settings
+# what reward functions are called with besides the columns: the trainer's arguments and the built-in rewards' settings
 RESERVED_COLUMNS = tuple(dict.fromkeys(["prompts", "completions", "reward_timeout", *(
-    p.name for f in BUILTIN_REWARDS.values() for p in inspect.signature(f).parameters.values()
+    p.name for func in BUILTIN_REWARDS.values() for p in inspect.signature(func).parameters.values()
     if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]))
 
-def _to_record(row: dict, question_field: str = "question", answer_field: str = "answer", gold=None) -> dict:
-    "A task record from one raw row, its gold answer not yet parsed (see `_collect`); raises _BadRow saying what is wrong."
-    for f in (question_field, answer_field):
-        if row.get(f) is None:
-            which = "question_field" if f == question_field else "answer_field"
-            raise _BadRow(f"no field {f!r} (fields: {_clip(', '.join(map(str, row)) or 'none')}); name the fields 'question' and "
-                          f"'answer' in the file (the trainer reads those), or pass {which}= to load_tasks")
-    if not isinstance(row[question_field], (str, int, float)) or isinstance(row[question_field], bool):
-        raise _BadRow(f"the question (field {question_field!r}) is a {type(row[question_field]).__name__}, not text: "
+def _to_record(item: dict, question_field: str = "question", answer_field: str = "answer", gold=None) -> dict:
+    "A task record from one raw row (its gold answer parsed later, by `_collect`); a _BadRow says what is wrong."
+    for field_name in (question_field, answer_field):
+        if item.get(field_name) is None:
+            which = "question_field" if field_name == question_field else "answer_field"
+            raise _BadRow(f"no field {field_name!r} (fields: {_clip(', '.join(map(str, item)) or 'none')}); name the "
+                          f"fields 'question' and 'answer' in the file (the trainer reads those), or pass {which}= "
+                          "to load_tasks")
+    if not isinstance(item[question_field], (str, int, float)) or isinstance(item[question_field], bool):
+        raise _BadRow(f"the question (field {question_field!r}) is a {type(item[question_field]).__name__}, not text: "
                       "write it as a string; fix the row or pass skip_bad_rows=True")
-    question, raw = str(row[question_field]), row[answer_field]
+    question, raw = str(item[question_field]), item[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
-    if why := _not_a_gold(raw):              # JSON true would become the text 'True', which parses as a product of symbols
+    if why := _not_a_gold(raw):   # JSON true would be the text 'True', which parses as a product of symbols
         raise _BadRow(f"gold answer {_clip(repr(raw))} {why}; fix the row or pass skip_bad_rows=True")
     raw = str(raw)
     answer = gold(raw) if gold else raw.strip()
-    extra = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
+    extra = {k: v for k, v in item.items() if k not in (question_field, answer_field)}
     if reserved := [k for k in RESERVED_COLUMNS if k in extra]:
         raise _BadRow(f"field {reserved[0]!r} is a name the reward functions are called with (as are "
                       f"{', '.join(repr(k) for k in RESERVED_COLUMNS if k != reserved[0])}): rename it in the data")
@@ -187,12 +196,12 @@ def _to_record(row: dict, question_field: str = "question", answer_field: str = 
 
 # %% ../nbs/11_data.ipynb #a60b035b
 def _next_rows(rows, want: Optional[int], stop_at_bad: bool, **record_kw) -> list:
-    "Up to `want` (None: all) well-formed records from `rows` as (row, record) pairs, with the bad rows met on the way as (row, _BadRow)."
+    "Up to `want` (None: all) good rows of `rows` as (row, record), with the bad ones met on the way as (row, _BadRow)."
     out, good = [], 0
-    for row, obj in rows:
+    for row, item in rows:
         try:
-            if isinstance(obj, _BadRow): raise obj
-            out.append((row, _to_record(obj, **record_kw)))
+            if isinstance(item, _BadRow): raise item
+            out.append((row, _to_record(item, **record_kw)))
             good += 1
         except _BadRow as e:
             out.append((row, e))
@@ -201,19 +210,21 @@ def _next_rows(rows, want: Optional[int], stop_at_bad: bool, **record_kw) -> lis
     return out
 
 def _collect(rows, name, limit=None, skip_bad_rows=False, gold_timeout: float = 2.0, **record_kw):
-    "Records from `(row, dict | _BadRow)` pairs, their gold answers parsed in the verifier processes within `gold_timeout` s each: the first bad row is a DataError, or (skipping) it is counted."
+    "The records of `(row, dict | _BadRow)` pairs whose gold answers parse, and how many bad rows were skipped."
     records, skipped, rows = [], 0, iter(rows)
     while limit is None or len(records) < limit:
         batch = _next_rows(rows, None if limit is None else limit - len(records), not skip_bad_rows, **record_kw)
         if not batch: break
         reasons = iter(check_golds([r["answer"] for _, r in batch if isinstance(r, dict)], gold_timeout))
-        for row, r in batch:
-            if isinstance(r, dict):
-                if (why := next(reasons)) is None: records.append(r); continue
-                r = f"gold answer {_clip(repr(r['answer']))} {why}; fix the row or pass skip_bad_rows=True"
-            if not skip_bad_rows: raise DataError(f"{name} row {row}: {r}")
+        for row, got in batch:                       # a record, or the _BadRow that says why the row is none
+            if isinstance(got, dict) and (why := next(reasons)) is None:
+                records.append(got)
+                continue
+            problem = (got if isinstance(got, _BadRow)
+                       else f"gold answer {_clip(repr(got['answer']))} {why}; fix the row or pass skip_bad_rows=True")
+            if not skip_bad_rows: raise DataError(f"{name} row {row}: {problem}")
             skipped += 1
-            if skipped <= 3: _log.warning(f"skipping {name} row {row}: {r}")
+            if skipped <= 3: _log.warning(f"skipping {name} row {row}: {problem}")
     if skipped: _log.warning(f"{name}: skipped {skipped} bad row(s), kept {len(records)}")
     if not records: raise DataError(f"{name}: no usable rows" + (f" ({skipped} bad ones skipped)" if skipped else ""))
     return records, skipped
@@ -229,17 +240,19 @@ TRAIN_SEED, EVAL_SEED = 0, 1_000_003   # arithmetic: the train split and every o
 
 def local_copy(name: str, split: str, data_dir=None) -> Optional[Path]:
     "The local file of a known dataset's split in `data_dir` or `$MMRGRPO_DATA`, or None."
-    dirs = [Path(d).expanduser() / KNOWN_DATASETS[name]["folder"] for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
+    folder = KNOWN_DATASETS[name]["folder"]
+    dirs = [Path(d).expanduser() / folder for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
     return next((p for d in dirs for ext in READERS if (p := d / f"{split}{ext}").is_file()), None)
 
-def _hub_rows(name: str, config: Optional[str], split: str, looked: str = ""):
+def _hub_rows(name: str, config: Optional[str], split: str, no_copy: str = ""):
     "Yield (row number, dict) for a hub dataset split, with an error that says how to work offline."
     try:
         import datasets
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:
-        raise DataError(f"{name} ({split}): could not load it from the hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                        f"{looked}; put a local copy in a folder and pass data_dir= or set MMRGRPO_DATA") from None
+        first_line = str(e).splitlines()[0] if str(e) else ''
+        raise DataError(f"{name} ({split}): could not load it from the hub ({type(e).__name__}: {first_line})"
+                        f"{no_copy}; put a local copy in a folder and pass data_dir= or set MMRGRPO_DATA") from None
     yield from enumerate(ds, 1)
 
 # %% ../nbs/11_data.ipynb #e664a8cc
@@ -256,14 +269,42 @@ def _arithmetic_level(source: str) -> int:
     except (ValueError, IndexError):
         raise DataError(f"task {source!r}: write 'arithmetic:<level>' with level 1, 2, 3 or 4") from None
 
+def _known_rows(source: str, split: str, data_dir) -> tuple:
+    "(rows, name) of a known dataset's split: its local copy in `data_dir` or `$MMRGRPO_DATA`, else the hub's."
+    spec = KNOWN_DATASETS[source]
+    if split not in spec["splits"]:
+        raise DataError(f"{source} has no {split!r} split: use {' or '.join(map(repr, spec['splits']))}")
+    if data_dir and not Path(data_dir).expanduser().is_dir():
+        raise DataError(f"data_dir={str(data_dir)!r}: no such folder")
+    if path := local_copy(source, split, data_dir): return READERS[path.suffix](path), str(path)
+    looked = [str(Path(d) / spec["folder"]) for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
+    no_copy = f" (no local copy in {', '.join(looked)}: no {split}{'/'.join(READERS)})" if looked else ""
+    hub, config = spec["hub"]
+    return _hub_rows(hub, config, split, no_copy), f"{hub} ({split})"
+
+def _file_or_hub_rows(source: str, split: str) -> tuple:
+    "(rows, name) of a data file, or of the split of a hub dataset named 'name' or 'name:config'."
+    path = Path(source).expanduser()
+    if _is_file(source):
+        if path.is_dir(): raise DataError(f"{source} is a folder: name a {', '.join(READERS)} file in it")
+        if not path.is_file(): raise DataError(f"{source}: no such file")
+        if path.suffix not in READERS:
+            raise DataError(f"{source}: unknown file type {path.suffix!r}: use {', '.join(READERS)}")
+        return READERS[path.suffix](path), str(path)
+    hub, _, config = source.partition(":")
+    if near := slip_of(hub, ["arithmetic", *KNOWN_DATASETS]):
+        raise DataError(f"task {source!r}: did you mean {near + source[len(hub):]!r}? "
+                        "(a hub dataset is named by its id, e.g. openai/gsm8k)")
+    return _hub_rows(hub, config or None, split), f"{source} ({split})"
+
 # %% ../nbs/11_data.ipynb #f8e0d737
-def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k', 'math500', a .jsonl/.json/.parquet path, or a hub dataset
-               split: str = "train",              # dataset split (arithmetic: 'train', or 'test'/'validation'/'eval' for the held-out seed)
+def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k', 'math500', a file or a hub dataset
+               split: str = "train",              # split (arithmetic: 'test'/'validation'/'eval' use the held-out seed)
                *,
-               limit: Optional[int] = None,       # at most this many records (reading stops there); required for arithmetic
+               limit: Optional[int] = None,       # at most this many records, read no further; arithmetic needs one
                skip_bad_rows: bool = False,       # skip and count bad rows instead of raising DataError
                return_skipped: bool = False,      # return (records, n_skipped) instead of records
-               data_dir=None,                     # folder with gsm8k/ and math500/ copies (default: $MMRGRPO_DATA, else the hub)
+               data_dir=None,                     # folder of gsm8k/, math500/ copies (else $MMRGRPO_DATA, else the hub)
                question_field: str = "question",  # field holding the question (files and hub datasets)
                answer_field: str = "answer",      # field holding the gold answer (files and hub datasets)
                gold_timeout: float = 2.0,         # seconds to parse one gold answer (the trainer passes reward_timeout)
@@ -276,47 +317,30 @@ def load_tasks(source: str,                      # 'arithmetic:<level>', 'gsm8k'
         if limit is None:
             raise DataError(f"task {source!r}: arithmetic tasks are endless; pass limit= (how many), "
                             "or draw training prompts from ArithmeticStream with tasks_for_step")
-        if split not in ("train", "test", "validation", "eval"): raise DataError(f"{source} has no {split!r} split: use 'train' or 'test'")
+        if split not in ("train", "test", "validation", "eval"):
+            raise DataError(f"{source} has no {split!r} split: use 'train' or 'test'")
         records, skipped = arithmetic_tasks(limit, level, TRAIN_SEED if split == "train" else EVAL_SEED), 0
     elif source in KNOWN_DATASETS:
         spec = KNOWN_DATASETS[source]
-        if split not in spec["splits"]:
-            raise DataError(f"{source} has no {split!r} split: use {' or '.join(map(repr, spec['splits']))}")
-        kw = dict(question_field=spec["question_field"], answer_field=spec["answer_field"], gold=spec["gold"], gold_timeout=gold_timeout)
-        if data_dir and not Path(data_dir).expanduser().is_dir(): raise DataError(f"data_dir={str(data_dir)!r}: no such folder")
-        if path := local_copy(source, split, data_dir):
-            rows, name = READERS[path.suffix](path), str(path)
-        else:
-            looked = [str(Path(d) / spec["folder"]) for d in (data_dir, os.environ.get("MMRGRPO_DATA")) if d]
-            hub, config = spec["hub"]
-            rows, name = _hub_rows(hub, config, split, f" (no local copy in {', '.join(looked)}: no {split}{'/'.join(READERS)})" if looked else ""), f"{hub} ({split})"
-        records, skipped = _collect(rows, name, limit, skip_bad_rows, **kw)
+        rows, name = _known_rows(source, split, data_dir)
+        records, skipped = _collect(rows, name, limit, skip_bad_rows, gold_timeout, gold=spec["gold"],
+                                    question_field=spec["question_field"], answer_field=spec["answer_field"])
     else:
-        kw = dict(question_field=question_field, answer_field=answer_field, gold_timeout=gold_timeout)
-        path = Path(source).expanduser()
-        if _is_file(source):
-            if path.is_dir(): raise DataError(f"{source} is a folder: name a {', '.join(READERS)} file in it")
-            if not path.is_file(): raise DataError(f"{source}: no such file")
-            if path.suffix not in READERS:
-                raise DataError(f"{source}: unknown file type {path.suffix!r}: use {', '.join(READERS)}")
-            rows, name = READERS[path.suffix](path), str(path)
-        else:                                          # a hub dataset, 'name' or 'name:config'
-            hub, _, config = source.partition(":")
-            if near := slip_of(hub, ["arithmetic", *KNOWN_DATASETS]):
-                raise DataError(f"task {source!r}: did you mean {near + source[len(hub):]!r}? (a hub dataset is named by its id, e.g. openai/gsm8k)")
-            rows, name = _hub_rows(hub, config or None, split), f"{source} ({split})"
-        records, skipped = _collect(rows, name, limit, skip_bad_rows, **kw)
+        rows, name = _file_or_hub_rows(source, split)
+        records, skipped = _collect(rows, name, limit, skip_bad_rows, gold_timeout, question_field=question_field,
+                                    answer_field=answer_field)
     return (records, skipped) if return_skipped else records
 
 # %% ../nbs/11_data.ipynb #3281504c
 def task_source(task: str, seed: int = 0, **load_kw) -> Union[ArithmeticStream, list]:
-    "Training tasks for `tasks_for_step`: an `ArithmeticStream` for 'arithmetic:<level>', else `load_tasks(task, 'train', ...)`."
+    "What `tasks_for_step` draws from: an `ArithmeticStream` for arithmetic, else `load_tasks(task, 'train')`."
     if _is_arithmetic(task) and load_kw.get("limit") is None:
         return ArithmeticStream(_arithmetic_level(task), seed)
     return load_tasks(task, "train", **load_kw)
 
+# %% ../nbs/11_data.ipynb #d855dafa
 def holds_out_rows(task: str, eval_task: Optional[str] = None) -> bool:
-    "True when the held-out tasks must be rows of `task` itself: it is a file (which has no test split) and no `eval_task` is given."
+    "True when the held-out tasks must be rows of `task` itself: it is a file and no `eval_task` is given."
     return eval_task is None and _is_file(task)
 
 def split_held_out(records: list,             # the rows of a file, as `load_tasks` returns them
@@ -324,11 +348,11 @@ def split_held_out(records: list,             # the rows of a file, as `load_tas
                    source: str = "tasks",     # the file's name, for messages
                    seed: int = EVAL_SEED,     # fixed by default: runs with different seeds evaluate on the same rows
                   ) -> tuple[list, list]:     # (training records, held-out records)
-    "Hold `n_eval` distinct questions out of `records`, chosen by `seed`; no question is in both parts, and both keep the file's order."
+    "Hold `n_eval` distinct questions of `records` out, chosen by `seed`, and never train on a row of them."
     questions = list(dict.fromkeys(r["question"] for r in records))       # distinct, in file order
     if n_eval < 1 or len(questions) < 2:
-        raise DataError(f"{source}: cannot hold {n_eval} of its {len(questions)} distinct question(s) out for evaluation: "
-                        "add rows, set eval_task to other data, or set eval_size=0")
+        raise DataError(f"{source}: cannot hold {n_eval} of its {len(questions)} distinct question(s) out for "
+                        "evaluation: add rows, set eval_task to other data, or set eval_size=0")
     n = min(n_eval, len(questions) // 2)
     held = set(random.Random(f"held-out:{seed}").sample(questions, n))
     train = [r for r in records if r["question"] not in held]
@@ -336,8 +360,9 @@ def split_held_out(records: list,             # the rows of a file, as `load_tas
     for r in records:
         if r["question"] in held: first.setdefault(r["question"], r)
     (_log.warning if n < n_eval else _log.info)(
-        f"{source} has no test split: {n} of its {len(questions)} questions are held out for evaluation and never trained on"
-        + (f" (eval_size={n_eval}, capped at half)" if n < n_eval else "") + "; set eval_task to evaluate on other data")
+        f"{source} has no test split: {n} of its {len(questions)} questions are held out for evaluation and never "
+        "trained on" + (f" (eval_size={n_eval}, capped at half)" if n < n_eval else "")
+        + "; set eval_task to evaluate on other data")
     return train, [dict(r) for r in first.values()]
 
 # %% ../nbs/11_data.ipynb #b49a63f7
@@ -347,9 +372,11 @@ DEFAULT_SHOTS = {
     "gsm8k": [("A baker makes 24 muffins and sells 3 boxes of 6 muffins each. How many muffins are left?",
                "The boxes hold 3 * 6 = 18 muffins. 24 - 18 = 6 muffins are left. The answer is \\boxed{6}."),
               ("Tom reads 15 pages a day for 4 days and then 20 pages on the fifth day. How many pages does he read?",
-               "In 4 days he reads 15 * 4 = 60 pages. With the fifth day it is 60 + 20 = 80 pages. The answer is \\boxed{80}.")],
+               "In 4 days he reads 15 * 4 = 60 pages. With the fifth day it is 60 + 20 = 80 pages. "
+               "The answer is \\boxed{80}.")],
     "math": [("What is $\\frac{1}{2} + \\frac{1}{3}$?",
-              "$\\frac{1}{2} + \\frac{1}{3} = \\frac{3}{6} + \\frac{2}{6} = \\frac{5}{6}$. The answer is \\boxed{\\frac{5}{6}}."),
+              "$\\frac{1}{2} + \\frac{1}{3} = \\frac{3}{6} + \\frac{2}{6} = \\frac{5}{6}$. "
+              "The answer is \\boxed{\\frac{5}{6}}."),
              ("Solve $2x + 3 = 11$ for $x$.", "Subtract 3: $2x = 8$, so $x = 4$. The answer is \\boxed{4}.")],
 }
 
@@ -361,7 +388,7 @@ def default_shots(task: str, num_shots: int = 1) -> list:
     "The first `num_shots` built-in worked examples for `task`'s family."
     shots = DEFAULT_SHOTS[task_family(task)]
     if not 0 <= num_shots <= len(shots):
-        raise ValueError(f"num_shots={num_shots}: there are {len(shots)} built-in examples for {task_family(task)} tasks; "
-                         f"use 0 to {len(shots)}, or pass your own shots")
+        raise ValueError(f"num_shots={num_shots}: there are {len(shots)} built-in examples for {task_family(task)} "
+                         f"tasks; use 0 to {len(shots)}, or pass your own shots")
     return shots[:num_shots]
 

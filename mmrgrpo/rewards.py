@@ -1,4 +1,4 @@
-"""Check answers with math-verify, why the time limit must be our own, the format and length-scaled rewards, the built-in rewards and the processes they run in, and how reward functions sum into one number per completion. (The module is longer than 300 lines because the verifier's process pool lives with the rewards it runs.)
+"""math-verify under a time limit of our own, three rewards, their sum (longer than 300 lines because the pool is here).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 
@@ -11,14 +11,15 @@ __all__ = ['IN_A_THREAD', 'BUILTIN_REWARDS', 'VERIFIED_REWARDS', 'parse_gold', '
            'accuracy_reward', 'gold_list', 'cosine_reward', 'get_reward_funcs']
 
 # %% ../nbs/10_rewards.ipynb #25eede42
-import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re, signal, subprocess, sys, threading, time
+import atexit, copy, functools, importlib, logging, math, numbers, os, pickle, re
+import signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
 from .safety import NamedFunctionProcess, call_with_timeout, clip_text as _clip, exit_with_parent
 
 # %% ../nbs/10_rewards.ipynb #a4909075
-for _name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
-    logging.getLogger(_name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+for _logger_name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
+    logging.getLogger(_logger_name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
 
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")    # 1,234 or -12,345.5
 _MATH_DELIMITERS = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")   # \boxed, an unescaped $, \( or \[
@@ -31,7 +32,7 @@ def _not_a_gold(gold) -> str | None:
     return None
 
 def parse_gold(gold: str | numbers.Real) -> list:
-    "Parse a gold answer (a string or a number) with math-verify; raise `ValueError` when nothing parses (a data error, never a free point)."
+    "Parse a gold answer (a string or a number) with math-verify; nothing parsed is a `ValueError`, never a free point."
     if why := _not_a_gold(gold): raise ValueError(f"gold answer {_clip(repr(gold))} {why}")
     text = str(gold).strip()
     if _THOUSANDS.fullmatch(text): text = text.replace(",", "")
@@ -45,12 +46,12 @@ def parse_gold(gold: str | numbers.Real) -> list:
 _BRACE_TOKENS = re.compile(r"\\boxed\s*\{|\\\\|\\[{}]|[{}]")   # a \boxed{ opener, \\, an escaped brace, or a brace
 
 def _last_box(text: str) -> tuple[int, int, int] | None:
-    "(start of `\\boxed`, start of its content, index of its closing brace) for the last `\\boxed{...}` that closes, or None."
+    "The last closed `\\boxed{...}`: (start of `\\boxed`, start of its content, index of its closing brace), or None."
     open_groups, last = [], None          # open_groups holds (start, content start) for a \boxed{, None for a plain {
     for m in _BRACE_TOKENS.finditer(text):
         token = m.group()
         if token == "}":
-            if open_groups and (box := open_groups.pop()) is not None: last = (*box, m.start())
+            if open_groups and (opener := open_groups.pop()) is not None: last = (*opener, m.start())
         elif token == "{": open_groups.append(None)
         elif token.startswith("\\boxed"): open_groups.append((m.start(), m.end()))
     return last
@@ -65,13 +66,15 @@ def extract_boxed(text: str) -> str | None:
 def _gold_cached(gold: str) -> tuple: return tuple(parse_gold(gold))
 
 def _score_pair(gold: str, completion: str) -> float:
-    "1.0 if the completion's answer equals the gold answer, else 0.0. No time limit: the verifier processes run it."
+    "1.0 if the completion's answer equals the gold answer, else 0.0, untimed (the verifier processes run it)."
     boxed = extract_boxed(completion)
     pred = parse("\\boxed{" + boxed + "}", parsing_timeout=None) if boxed is not None else []
     if not pred: pred = parse(completion, parsing_timeout=None)
     return float(verify(list(_gold_cached(gold)), pred, timeout_seconds=None))
 
 # %% ../nbs/10_rewards.ipynb #4f955173
+# Process-wide on purpose: a reward function returns only its scores (TRL's signature), so the verifier pool's
+# timeouts and errors reach `compute_rewards`' metrics through these counts, which it reads before and after each call.
 _COUNTERS = {"timeouts": 0, "errors": 0}
 
 def reward_counters() -> dict:
@@ -79,7 +82,7 @@ def reward_counters() -> dict:
     return dict(_COUNTERS)
 
 def count_failures(flags: list[str]):
-    "Add a batch's outcomes to `reward_counters`: each 'timeout' and each 'error' flag (the verifier pool reports every batch)."
+    "Add a batch's 'timeout' and 'error' flags to `reward_counters` (the verifier pool reports every batch)."
     _COUNTERS["timeouts"] += flags.count("timeout")
     _COUNTERS["errors"] += flags.count("error")
 
@@ -93,7 +96,7 @@ def _as_text(x) -> str:
 
 # %% ../nbs/10_rewards.ipynb #554f4ea3
 def has_own_time_limit(func):
-    "Mark a reward function that bounds its own running time (ours do): `compute_rewards` calls it directly, not in a timed thread."
+    "Mark a reward function that bounds its own running time (ours do), so `compute_rewards` calls it directly."
     func.own_time_limit = True
     return func
 
@@ -112,7 +115,7 @@ def _well_formatted(prompt: str, completion: str) -> bool:
 
 @has_own_time_limit
 def format_reward(prompts, completions, **kwargs) -> list[float]:
-    "1.0 when a completion ends with a boxed answer (after one `<think>...</think>` block if the prompt asks for one), else 0.0."
+    "1.0 when a completion ends with a boxed answer (after one `<think>...</think>` block if asked for), else 0.0."
     return [float(_well_formatted(_as_text(p), _as_text(c))) for p, c in zip(prompts, completions, strict=True)]
 
 # %% ../nbs/10_rewards.ipynb #62888c04
@@ -130,17 +133,18 @@ class RewardFunctionError(ValueError):
     "A reward function raised, or returned something other than one finite number (or None) per completion."
 
 def reward_name(func) -> str:
-    "The name a reward function is logged under: its `__name__`; a `functools.partial` is named after the function it wraps."
+    "The name a reward function is logged under: its `__name__`, or that of the function a `functools.partial` wraps."
     while isinstance(func, functools.partial): func = func.func
     return getattr(func, "__name__", type(func).__name__)
 
 _F32_MAX = 3.4028234663852886e38      # the largest float32: rewards are summed in float64, then used in float32
 
 def _call_reward(func, kwargs: dict, timeout: float | None) -> tuple:
-    "(output, None) or (None, the exception). One of ours (`has_own_time_limit`) runs here; a named one in its process (`call_within`); any other in a thread, given `timeout` s (`call_with_timeout`: its SystemExit or KeyboardInterrupt is an error like any other)."
-    inner = func.func if isinstance(func, functools.partial) else func      # the trainer wraps accuracy_reward in a partial
-    if timeout is not None and hasattr(func, "call_within"): return func.call_within(kwargs, timeout)   # in its own process
-    if timeout is not None and getattr(inner, "own_time_limit", False) is not True: return call_with_timeout(func, kwargs, timeout)
+    "Call `func` where its time limit can hold: `(output, None)`, or `(None, the exception)`."
+    inner = func.func if isinstance(func, functools.partial) else func   # the trainer's accuracy_reward is a partial
+    if timeout is not None and hasattr(func, "call_within"): return func.call_within(kwargs, timeout)   # in a process
+    if timeout is not None and getattr(inner, "own_time_limit", False) is not True:
+        return call_with_timeout(func, kwargs, timeout)
     try: return func(**kwargs), None
     except Exception as e: return None, e
 
@@ -153,23 +157,27 @@ def _quoted(x) -> str:
     "A returned value for a message: an integer of thousands of digits by its size (repr refuses past 4300)."
     return f"an integer of {x.bit_length()} bits" if isinstance(x, int) and x.bit_length() > 256 else _clip(repr(x))
 
-IN_A_THREAD = ("; a function passed as an object runs on in a thread, which no limit stops: name it as 'module:function' "
-               "in reward_funcs to run it in a process the limit kills")
+# %% ../nbs/10_rewards.ipynb #36eb975e
+IN_A_THREAD = ("; a function passed as an object runs on in a thread, which no limit stops: "
+               "name it as 'module:function' in reward_funcs to run it in a process the limit kills")
 
-def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str, timeout: float = None) -> tuple[list, int]:
-    "Call one reward function on copies of its inputs (within `timeout` s per completion) and check its output: its scores (None = not applicable) and how many of them were errors."
+def _reward_column(func, name: str, prompts, completions, columns: dict, on_error: str,
+                   timeout: float = None) -> tuple[list, int]:
+    "One reward function's checked scores on copies of the inputs (None: not applicable), and how many were errors."
     n = len(completions)
-    kwargs = copy.deepcopy(dict(prompts=prompts, completions=completions, **columns))    # what it changes, nobody else sees
+    kwargs = copy.deepcopy(dict(prompts=prompts, completions=completions, **columns))   # what it changes, no one sees
     out, e = _call_reward(func, kwargs, None if timeout is None else timeout * max(n, 1))
     if e is not None:         # (a late one runs on in a background thread)
-        what = (f"took more than {timeout * max(n, 1):g} s for {n} completions (reward_timeout={timeout:g} s per completion)"
-                + IN_A_THREAD * (not hasattr(func, "call_within"))
-                if isinstance(e, TimeoutError) and str(e).startswith("still running") else f"raised {type(e).__name__}: {_clip(str(e), 200)}")
+        if isinstance(e, TimeoutError) and str(e).startswith("still running"):
+            what = (f"took more than {timeout * max(n, 1):g} s for {n} completions (reward_timeout={timeout:g} s per "
+                    "completion)" + IN_A_THREAD * (not hasattr(func, "call_within")))
+        else: what = f"raised {type(e).__name__}: {_clip(str(e), 200)}"
         if on_error == "raise": raise RewardFunctionError(f"reward function {name!r} {what}") from e
         return [0.0] * n, n
     if hasattr(out, "tolist"): out = out.tolist()       # a tensor or an array
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
-        got = f"{len(out)} scores" if hasattr(out, "__len__") and not isinstance(out, (str, bytes)) else _clip(repr(out))
+        sized = hasattr(out, "__len__") and not isinstance(out, (str, bytes))
+        got = f"{len(out)} scores" if sized else _clip(repr(out))
         if on_error == "raise":
             raise RewardFunctionError(f"reward function {name!r} returned {got} for {n} completions: "
                                       "return a list with one float (or None) per completion")
@@ -180,29 +188,35 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
             scores.append(None if x is None else float(x))
             continue
         if on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} returned {_quoted(x)} at index {i}: a reward must be a finite "
-                                      "number within float32's range (|r| <= 3.4e38), or None when it does not apply")
+            raise RewardFunctionError(f"reward function {name!r} returned {_quoted(x)} at index {i}: a reward must be "
+                                      "a finite number within float32's range (|r| <= 3.4e38), "
+                                      "or None when it does not apply")
         scores.append(0.0)
         errors += 1
     return scores, errors
 
 # %% ../nbs/10_rewards.ipynb #e9704f66
-def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list, columns: dict[str, list],
-                    on_error: str = "raise", timeout: float = None) -> tuple["torch.Tensor", dict]:
-    "The weighted sum of the reward functions' scores, `(N,)` float32, and their metrics `rewards/<name>...`. Each function gets copies of the inputs and (`timeout`, s per completion) a time limit."
+def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list,
+                    columns: dict[str, list], on_error: str = "raise",
+                    timeout: float = None) -> tuple["torch.Tensor", dict]:
+    "The weighted sum of the reward functions' scores, `(N,)` float32, and their metrics `rewards/<name>...`."
     import torch   # here, not at the top: the verifier processes import this module and need no torch
     if on_error not in ("raise", "zero"): raise ValueError(f"on_error={on_error!r}: use 'raise' or 'zero'")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
-        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: give one weight per function")
-    if bad := [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w)]:
-        raise ValueError(f"reward weights {bad}: each weight must be a finite number")
-    names = [reward_name(f) for f in funcs]
-    names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]   # keep metrics of namesakes apart
+        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: "
+                         "give one weight per function")
+    bad_weights = [weight for weight in weights
+                   if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight)]
+    if bad_weights: raise ValueError(f"reward weights {bad_weights}: each weight must be a finite number")
+    names = [reward_name(func) for func in funcs]
+    names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]   # namesakes kept apart
     for name, xs in (("prompts", prompts), ("completions", completions), *columns.items()):
         if isinstance(xs, (str, bytes)): raise TypeError(f"{name} is one string: pass a list, one entry per completion")
-    if bad := {k: len(v) for k, v in {"prompts": prompts, **columns}.items() if len(v) != len(completions)}:
-        raise ValueError(f"{len(completions)} completions, but {bad}: every list needs one entry per completion")
+    wrong_lengths = {k: len(xs) for k, xs in {"prompts": prompts, **columns}.items() if len(xs) != len(completions)}
+    if wrong_lengths:
+        raise ValueError(f"{len(completions)} completions, but {wrong_lengths}: every list needs one entry "
+                         "per completion")
     before, n = reward_counters(), len(completions)
     total, metrics = torch.zeros(n, dtype=torch.float64), {}
     for func, weight, name in zip(funcs, weights, names):
@@ -218,32 +232,34 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
     return _in_float32(total, on_error, metrics), metrics
 
 def _in_float32(total, on_error: str, metrics: dict):
-    "The weighted sum in float32, the dtype it is used in: a sum beyond its range is an error, or (on_error='zero') 0 and counted."
-    bad = (total.abs() > _F32_MAX).nonzero().flatten().tolist()
-    if bad and on_error == "raise":
-        raise RewardFunctionError(f"the weighted sum of the rewards at index {bad[0]} is {total[bad[0]].item():g}, beyond float32's "
-                                  "range (|r| <= 3.4e38): lower reward_weights or the rewards' scale")
-    metrics["rewards/overflow"] = len(bad)
+    "The weighted sum in float32; a sum beyond its range is an error, or (on_error='zero') 0 and counted."
+    overflow = (total.abs() > _F32_MAX).nonzero().flatten().tolist()
+    if overflow and on_error == "raise":
+        raise RewardFunctionError(f"the weighted sum of the rewards at index {overflow[0]} is "
+                                  f"{total[overflow[0]].item():g}, beyond float32's range (|r| <= 3.4e38): "
+                                  "lower reward_weights or the rewards' scale")
+    metrics["rewards/overflow"] = len(overflow)
     return total.masked_fill(total.abs() > _F32_MAX, 0.0).float()
 
 # %% ../nbs/10_rewards.ipynb #de3d02a7
 def _worker_main(fd: int):
-    "The body of a verifier process: warm up, say 'ready', then score pickled pairs until the parent closes the pipe or dies."
+    "A verifier process: warm up, say 'ready', then score pickled pairs until the pipe closes or the parent dies."
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is for the trainer; it stops us by closing the pipe
     exit_with_parent()
     conn = Connection(fd)
-    _score_pair("1", "\\boxed{1}")                 # import SymPy and compile math-verify's patterns before any clock runs
+    _score_pair("1", "\\boxed{1}")         # import SymPy and compile math-verify's patterns before any clock runs
     conn.send("ready")
     while True:
-        try: task = conn.recv_bytes()
+        try: payload = conn.recv_bytes()
         except (EOFError, OSError): return
         try:
-            score_fn, gold, completion = pickle.loads(task)
+            score_fn, gold, completion = pickle.loads(payload)
             if isinstance(score_fn, str): score_fn = globals()[score_fn]   # one of ours, by name (see `check_golds`)
             conn.send((float((score_fn or _score_pair)(gold, completion)), False))
         except Exception: conn.send((0.0, True))
 
-_WORKER_START = "import sys; sys.path[:] = sys.argv[2:]; from mmrgrpo.rewards import _worker_main; _worker_main(int(sys.argv[1]))"
+_WORKER_START = ("import sys; sys.path[:] = sys.argv[2:]; "
+                 "from mmrgrpo.rewards import _worker_main; _worker_main(int(sys.argv[1]))")
 _STARTUP_TIMEOUT = 60.0    # seconds a new worker may take to import math-verify and say 'ready'
 
 class _Worker:
@@ -252,8 +268,9 @@ class _Worker:
         self.conn, theirs = Pipe()
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_START, str(theirs.fileno()), *sys.path],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     start_new_session=True)   # a signal to the trainer's group (a scheduler's SIGTERM, a
-        # closed terminal's SIGHUP) must not kill the pairs being scored: the trainer ends them, or they follow it when it dies
+                                     start_new_session=True)   # a signal to the trainer's group (a scheduler's
+        # SIGTERM, a closed terminal's SIGHUP) must not kill the pairs being scored: the trainer ends them, or they
+        # follow it when it dies
         theirs.close()
         self.ready, self.task, self.deadline = False, None, time.monotonic() + _STARTUP_TIMEOUT
 
@@ -265,7 +282,7 @@ class _Worker:
 
 # %% ../nbs/10_rewards.ipynb #50df83f7
 class _VerifierPool:
-    "A few verifier processes; `run` scores pickled pairs, killing and replacing any worker that runs past its pair's deadline."
+    "A few verifier processes; `run` scores pickled pairs, replacing any worker that runs past its pair's deadline."
     def __init__(self, num_workers: int):
         self.pid, self.failed_starts = os.getpid(), 0
         self.workers = [_Worker() for _ in range(num_workers)]
@@ -302,31 +319,35 @@ class _VerifierPool:
                     scores[w.task], failed = msg
                     if failed: flags[w.task] = "error"
                     w.task = None
-                elif (w.task is not None or not w.ready) and now >= w.deadline:   # over its pair's time, or slow to start
+                elif (w.task is not None or not w.ready) and now >= w.deadline:   # past its deadline, or slow to start
                     if w.ready: flags[w.task] = "timeout"
                     else: self.failed_starts += 1
                     self.replace(i)
             if self.failed_starts >= 3:
-                raise RuntimeError(f"the reward verifier processes failed to start 3 times in a row (see their output above). "
-                                   f"They run `{sys.executable} -c 'from mmrgrpo.rewards import _worker_main'`: "
+                raise RuntimeError("the reward verifier processes failed to start 3 times in a row (see their output "
+                                   f"above). They run `{sys.executable} -c "
+                                   "'from mmrgrpo.rewards import _worker_main'`: "
                                    "mmrgrpo and math-verify must be importable by that Python.")
         return scores, flags
 
 # %% ../nbs/10_rewards.ipynb #07ad6d75
+# Process-wide on purpose: the verifier workers are OS processes that every caller in this process shares (started on
+# first use, started anew in a forked child, stopped at exit); the lock keeps two threads from sharing a worker.
 _POOL, _POOL_LOCK = None, threading.Lock()
 
 def num_workers() -> int:
     "MMRGRPO_REWARD_WORKERS (a whole number 1 to 64), else one worker per available CPU core, at most 8."
-    if v := os.environ.get("MMRGRPO_REWARD_WORKERS", "").strip():
-        if not v.isdigit() or not 1 <= int(v) <= 64:
-            raise ValueError(f"MMRGRPO_REWARD_WORKERS={_clip(v)}: the number of reward verifier processes must be a whole "
-                             "number from 1 to 64: set it so, or unset it (one per CPU core, at most 8)")
-        return int(v)
+    if setting := os.environ.get("MMRGRPO_REWARD_WORKERS", "").strip():
+        if not setting.isdigit() or not 1 <= int(setting) <= 64:
+            raise ValueError(f"MMRGRPO_REWARD_WORKERS={_clip(setting)}: the number of reward verifier processes "
+                             "must be a whole number from 1 to 64: set it so, or unset it "
+                             "(one per CPU core, at most 8)")
+        return int(setting)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores))
 
 def shutdown_verifier():
-    "Stop the verifier processes; the next call starts new ones. Runs by itself when the interpreter exits."
+    "Stop the verifier processes (the next call starts new ones); it also runs by itself when the interpreter exits."
     global _POOL
     locked = _POOL_LOCK.acquire(timeout=10)       # at exit, do not wait forever on a thread stuck inside verify_batch
     try:
@@ -338,9 +359,9 @@ def shutdown_verifier():
 atexit.register(shutdown_verifier)
 
 def _run_in_pool(score_fn, golds: list, completions: list, timeout: float) -> tuple[list[float], list[str]]:
-    "`(score_fn or _score_pair)(gold, completion)` for each pair in the verifier processes: scores and flags (see `_VerifierPool.run`)."
-    # `score_fn`: None (`_score_pair`), the name of a function of this module, or a function the workers import by name with
-    # the sys.path they started with.
+    "`(score_fn or _score_pair)(gold, completion)` per pair in the verifier processes: scores and flags (`run`'s)."
+    # `score_fn`: None (`_score_pair`), the name of a function of this module, or a function the workers import by name
+    # with the sys.path they started with.
     payloads = [pickle.dumps((score_fn, g, str(c))) for g, c in zip(golds, completions)]
     global _POOL
     with _POOL_LOCK:
@@ -353,12 +374,14 @@ def _run_in_pool(score_fn, golds: list, completions: list, timeout: float) -> tu
 
 # %% ../nbs/10_rewards.ipynb #0964fa58
 def verify_batch(golds: list[str], completions: list[str], timeout: float = 2.0, _score_fn=None) -> list[float]:
-    "1.0 or 0.0 per (gold, completion) pair by math-verify; a pair still running after `timeout` seconds scores 0 and is counted."
+    "1.0 or 0.0 per (gold, completion) pair by math-verify; a pair past `timeout` seconds scores 0 and is counted."
     if len(golds) != len(completions):
-        raise ValueError(f"{len(golds)} gold answers for {len(completions)} completions: pass one gold answer per completion")
+        raise ValueError(f"{len(golds)} gold answers for {len(completions)} completions: "
+                         "pass one gold answer per completion")
     if not timeout > 0: raise ValueError(f"timeout={timeout!r}: give each completion a positive number of seconds")
     if not completions: return []
-    scores, flags = _run_in_pool(_score_fn, list(golds), completions, timeout)   # `_score_fn` (for tests) replaces `_score_pair`
+    # `_score_fn` (for tests) replaces `_score_pair`
+    scores, flags = _run_in_pool(_score_fn, list(golds), completions, timeout)
     count_failures(flags)
     return scores
 
@@ -370,18 +393,18 @@ def _gold_parses(gold, _completion=None) -> float:
     return 1.0
 
 def check_golds(golds: list, timeout: float = 2.0) -> list[str | None]:
-    "Why each gold answer cannot be used, or None where it parses; each is parsed in a verifier process with `timeout` seconds."
+    "Why each gold answer cannot be used (None where it parses), each parsed in a verifier process within `timeout` s."
     if not timeout > 0: raise ValueError(f"timeout={timeout!r}: give each gold answer a positive number of seconds")
-    why = [_not_a_gold(g) for g in golds]                     # wrong types never reach the parser
-    todo = [i for i, w in enumerate(why) if w is None]
+    reasons = [_not_a_gold(g) for g in golds]                     # wrong types never reach the parser
+    todo = [i for i, reason in enumerate(reasons) if reason is None]
     if todo:
         # by name: the workers run the installed module, whose function pickle cannot name when this runs in a notebook
         scores, flags = _run_in_pool("_gold_parses", [golds[i] for i in todo], [""] * len(todo), timeout)
-        for i, s, f in zip(todo, scores, flags):
-            if f == "timeout": why[i] = f"took more than {timeout:g} s to parse (the limit is reward_timeout)"
-            elif f == "error": why[i] = "made the parser fail"
-            elif s != 1.0: why[i] = "cannot be parsed"
-    return why
+        for i, s, flag in zip(todo, scores, flags):
+            if flag == "timeout": reasons[i] = f"took more than {timeout:g} s to parse (the limit is reward_timeout)"
+            elif flag == "error": reasons[i] = "made the parser fail"
+            elif s != 1.0: reasons[i] = "cannot be parsed"
+    return reasons
 
 # %% ../nbs/10_rewards.ipynb #81cfa650
 @has_own_time_limit
@@ -391,7 +414,8 @@ def accuracy_reward(prompts, completions, answer, reward_timeout: float = 2.0, *
 
 def gold_list(answer) -> list:
     "The `answer` column as a list, one gold per completion; one string would be read a character at a time."
-    if isinstance(answer, (str, bytes)): raise TypeError(f"answer={answer!r} is one string: pass a list, one gold answer per completion")
+    if isinstance(answer, (str, bytes)):
+        raise TypeError(f"answer={answer!r} is one string: pass a list, one gold answer per completion")
     return list(answer)
 
 # %% ../nbs/10_rewards.ipynb #890b4dad
@@ -401,7 +425,7 @@ def cosine_reward(prompts, completions, answer, reward_timeout: float = 2.0,
                   correct: tuple = (0.5, 1.0),               # (at max_len, at length 0) for a correct answer
                   wrong: tuple = (-0.5, 0.0),                # (at max_len, at length 0) for a wrong answer
                   **kwargs) -> list[float]:
-    "Accuracy scaled by length (MMR-GRPO / open-r1's cosine reward): short correct answers score most, long wrong ones least."
+    "Accuracy scaled by length (MMR-GRPO and open-r1's cosine reward): short correct answers score most."
     texts = [_as_text(c) for c in completions]
     right = verify_batch(gold_list(answer), texts, timeout=reward_timeout)
     return [length_scaled(ok, len(t), max_len, correct, wrong) for ok, t in zip(right, texts)]
@@ -417,16 +441,19 @@ def _load_reward_func(name: str):
         builtin = ", ".join(map(repr, BUILTIN_REWARDS))
         raise ValueError(f"unknown reward function {name!r}: use {builtin} or 'package.module:function'")
     try: mod = importlib.import_module(module)       # runs the module's code: a config naming it is code
-    except (Exception, SystemExit) as e:             # a stray sys.exit() in the module must not end the run with "success"
+    except (Exception, SystemExit) as e:     # a stray sys.exit() in the module must not end the run with "success"
         fix = " (install it, or put its folder on PYTHONPATH)" if isinstance(e, ModuleNotFoundError) else ""
-        raise ValueError(f"cannot load reward function {name!r}: importing {module!r} raised {type(e).__name__}: {e}{fix}") from e
-    if not hasattr(mod, attr): raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")
+        raise ValueError(f"cannot load reward function {name!r}: importing {module!r} raised "
+                         f"{type(e).__name__}: {e}{fix}") from e
+    if not hasattr(mod, attr):
+        raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")
     func = getattr(mod, attr)
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 
 def get_reward_funcs(names: list[str], own_process: bool = False) -> list:
-    "The reward functions for config names (built-in or 'package.module:function'); `own_process`: named ones in a process."
+    "The reward functions for config names, built-in or 'package.module:function' (`own_process`: those in a process)."
     names = [names] if isinstance(names, str) else names
-    funcs = [_load_reward_func(n) for n in names]            # imported here too: a module that cannot load fails at once
-    return [NamedFunctionProcess(n, f) if own_process and n not in BUILTIN_REWARDS else f for n, f in zip(names, funcs)]
+    funcs = [_load_reward_func(name) for name in names]     # imported here too: a module that cannot load fails at once
+    return [NamedFunctionProcess(name, func) if own_process and name not in BUILTIN_REWARDS else func
+            for name, func in zip(names, funcs)]

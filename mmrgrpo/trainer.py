@@ -117,7 +117,7 @@ def run_eval(backend, eval_prompts, eval_answers, c, tokenizer, progress: bool =
 def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop_after: int = None) -> TrainResult:
     "Run GRPO as `c` says; returns metrics and the trained model. `stop_after` ends the run early after that step (for tests). The run holds `output_dir` (a second run there is refused); SIGINT/SIGTERM end the step, save a checkpoint and raise `TrainingInterrupted`."
     rank, world = init_distributed()
-    check_config(c, world)
+    c = check_config(c, world)      # the checked copy (types, `~` in folders, mmr and reweight) is what runs
     check_model_source(c.model, c.gguf_file)
     if c.threads: torch.set_num_threads(c.threads)
     out = Path(c.output_dir)

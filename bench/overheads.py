@@ -49,9 +49,7 @@ def main(argv=None):
     from mmrgrpo.rewards import get_reward_funcs
     from mmrgrpo.mmr import load_embedder
     from mmrgrpo.advantages import group_advantages, frac_zero_std
-    from mmrgrpo.step import micro_batches, packing
-    from mmrgrpo.fast_update import counted_lengths
-    from mmrgrpo.bf16_update import update_positions
+    from mmrgrpo.step import micro_batches, pass_positions, pass_stats
     repeats = args.repeats or (2 if args.quick else 3)
     base = dict(bl.QUICK_CONFIG, num_generations=8) if args.quick else dict(bl.BENCH_CONFIG)
     c = load_config(overrides=args.set, **dict(base, steps=1, output_dir="runs/bench_overheads", threads=args.threads))
@@ -88,8 +86,10 @@ def main(argv=None):
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
     arms.update({f"P={p:g} sdpa": dict(prune_rate=p, update_attention="sdpa") for p in (0.0, 0.75)})   # the fused kernel's attention (34a)
-    width = counted_lengths(ro.completion_mask).tolist() if packing(c, model) else T     # what a pass holds of each row
-    auto_mb = c.micro_batch_size or micro_batches(torch.arange(N) // c.num_generations, width, positions=update_positions(c))[0].stop   # rows in the first pass
+    widths = pass_stats(c, model).widths                  # what a pass holds of each row: its own length (packed), or T
+    width = widths(ro.completion_mask).tolist() if widths else T
+    groups = torch.arange(N) // c.num_generations
+    auto_mb = c.micro_batch_size or micro_batches(groups, width, positions=pass_positions(c))[0].stop   # rows in pass 1
     MB = [m for m in (N, 32, 16, 8) if m != auto_mb and N % m == 0 and m % c.num_generations == 0]
     arms.update({f"P=0 mb={m}": dict(micro_batch_size=m) for m in MB})
     cfgs = {k: check_config(dataclasses.replace(c, **v)) for k, v in arms.items()}

@@ -222,10 +222,10 @@ def test_packed_rows_give_the_padded_update(tokenizer, methods):
                                            ({"attn": "eager"}, False)])
 def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, packs):
     "Packing needs each group's prompt cache (prompt sharing) and attention that reads a boolean 4-D mask as it is (sdpa)."
-    import mmrgrpo.step as step
+    import mmrgrpo.fast_update as fast           # its speed-up's `pass_stats` hands the passes this function
     calls = []
-    real = step.packed_completion_stats
-    monkeypatch.setattr(step, "packed_completion_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fast.packed_completion_stats
+    monkeypatch.setattr(fast, "packed_completion_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
     c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.0, autocast_bf16=False, **{k: v for k, v in change.items() if k != "attn"})
     policy = add_lora(tiny_random_model(tokenizer, seed=0), c)
     if "attn" in change: policy.config._attn_implementation = change["attn"]

@@ -38,6 +38,13 @@ def test_the_installed_entry_points_are_the_declared_ones():
     assert len(speedups()) == len(declared())
 
 
+def test_an_uninstalled_checkout_finds_them_in_its_pyproject(monkeypatch):
+    "A clone on PYTHONPATH (no package index on the machine) has no installed entry points: pyproject.toml supplies them."
+    import mmrgrpo.speedups as S
+    monkeypatch.setattr(S.importlib.metadata, "entry_points", lambda group: [])
+    assert [s.name for s in S.load_speedups()] == [s.name for s in speedups()]
+
+
 def test_every_registered_speedup_sets_a_hook():
     for s in load_speedups():
         assert [h for h in HOOKS if getattr(s, h) is not None], s.name

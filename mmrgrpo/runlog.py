@@ -58,6 +58,7 @@ def process_peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+# %% ../nbs/40_runlog.ipynb #ef822092
 @dataclass
 class Phases:
     "Wall-clock (s) and peak resident memory (MB) per phase of the current step."

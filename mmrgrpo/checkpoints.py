@@ -1,4 +1,4 @@
-"""Atomic checkpoints with a manifest, a run's hold on its folder, and resume that refuses to mix runs (stopping on a signal is the next lesson, `43_signals`). (The module is longer than 300 lines because every check a checkpoint or a run folder must pass before a run trusts it lives here.)
+"""Atomic checkpoints, exact resume, a guarded run folder (longer than 300 lines because all their checks live here).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 
@@ -26,11 +26,12 @@ from .distributed import dist_info, is_sharded, full_state_dicts, load_full_stat
 
 # %% ../nbs/42_checkpoints.ipynb #1269982b
 def rng_state() -> dict:
-    "The Python, NumPy, torch and CUDA generator states as tensors, lists and numbers (what `torch.load(weights_only=True)` reads)."
+    "The Python, NumPy, torch and CUDA generator states, as tensors, lists and numbers only."
     version, words, gauss = random.getstate()
     _, key, pos, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(words), gauss], "numpy": [key.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 def set_rng_state(s: dict):
     "Restore the states `rng_state` returned."
@@ -45,8 +46,9 @@ def set_rng_state(s: dict):
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 def checkpoints(out) -> list:
-    "The `checkpoint-<step>` folders in `out`, oldest first; other names (`checkpoint-best`, `checkpoint-2-backup`) are left alone."
-    found = [(int(m[1]), p) for p in Path(out).glob("checkpoint-*") if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir()]
+    "The `checkpoint-<step>` folders in `out`, oldest first; other names are left alone."
+    found = [(int(m[1]), p) for p in Path(out).glob("checkpoint-*")
+             if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 MANIFEST, CHECKPOINT_FILES = "manifest.json", ("trainer_state.json", "training.pt", "config.yaml")
@@ -64,27 +66,31 @@ def write_manifest(d: Path):
     replace_file(d / MANIFEST, json.dumps(files, indent=1))
 
 def checkpoint_problem(d) -> str:
-    "What is wrong with checkpoint folder `d` (a file missing, cut short or altered), or None when every file matches its manifest."
+    "What is wrong with checkpoint folder `d`, in one phrase, or None when every file matches its manifest."
     d = Path(d)
     if not d.exists(): return "there is no such folder"
     if not d.is_dir(): return "it is a file, not a checkpoint folder"
-    if run := checkpoints(d): return (f"it is a run's folder, not a checkpoint: name one of its checkpoints ({run[-1]}), or "
-                                      f"continue that run with output_dir={str(d)!r} resume_from=latest")
-    if not os.path.lexists(d / MANIFEST): return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
-    try: listed = read_json(d / MANIFEST)           # not a pipe or a device, not a huge file: refused before reading
+    if run := checkpoints(d):
+        return (f"it is a run's folder, not a checkpoint: name one of its checkpoints ({run[-1]}), or "
+                f"continue that run with output_dir={str(d)!r} resume_from=latest")
+    if not os.path.lexists(d / MANIFEST):
+        return f"it has no {MANIFEST} (an incomplete checkpoint, or one of an older mmrgrpo)"
+    try: entries = read_json(d / MANIFEST)           # not a pipe or a device, not a huge file: refused before reading
     except ValueError as e: return f"its {MANIFEST} is unreadable: {e}"
-    try: want = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
+    try: listed = {str(name): (int(entry["bytes"]), str(entry["sha256"])) for name, entry in entries.items()}
     except (ValueError, TypeError, KeyError, AttributeError): return f"its {MANIFEST} is unreadable"
-    if unlisted := [f for f in CHECKPOINT_FILES if f not in want]: return f"its {MANIFEST} does not list {unlisted[0]}"
-    for name, (size, digest) in want.items():
+    if unlisted := [name for name in CHECKPOINT_FILES if name not in listed]:
+        return f"its {MANIFEST} does not list {unlisted[0]}"
+    for name, (size, digest) in listed.items():
         p = d / name
         if not p.is_file(): return f"{name} is missing"
-        if p.stat().st_size != size: return f"{name} has {p.stat().st_size} bytes, its manifest says {size} (cut short or altered)"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, its manifest says {size} (cut short or altered)"
         if _sha256(p) != digest: return f"{name} does not match its SHA-256 in {MANIFEST} (altered or corrupted)"
     return None
 
 def latest_checkpoint(out, verify: bool = False) -> Path:
-    "The newest complete checkpoint in `out` (None if none). `verify`: the newest whose files match their manifest, saying which were skipped and why."
+    "The newest complete checkpoint in `out` (None if none); with `verify`, the newest whose files match its manifest."
     for p in reversed(checkpoints(out)):
         why = checkpoint_problem(p) if verify else None if (p / MANIFEST).exists() else "incomplete"
         if why is None: return p
@@ -102,7 +108,7 @@ def _fsync_tree(d: Path):
 
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOConfig, state: dict, keep: int = 2,
                     final: bool = False, name: str = None) -> Path:
-    "Write checkpoint-<step> (or the folder `name`) with a manifest of checksums, atomically (temp folder, fsync, rename); keep the newest `keep` checkpoint-<step> folders. Returns its path; a failed write warns and returns None, or (`final`) raises `CheckpointSaveError`. A sharded (FSDP2) model: every process calls it, the weights and optimizer state are gathered whole and rank 0 writes them."
+    "Write checkpoint-<step> (or folder `name`) atomically with its manifest, keep the newest `keep`; return its path."
     gathered = full_state_dicts(model, optimizer) if is_sharded(model) else None      # a collective
     if gathered is not None and dist_info()[0] != 0: return None
     weights, optim = gathered or ({}, optimizer.state_dict())
@@ -112,10 +118,12 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOCo
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"), **({"state_dict": weights} if gathered else {}))
+        whole = {"state_dict": weights} if gathered else {}
+        model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"), **whole)
         torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "training.pt")
         save_config(c, tmp / "config.yaml")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))    # a resumed run's state holds the old step
+        # the step last: a resumed run's state still holds the step it resumed from
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))
         write_manifest(tmp)
         _fsync_tree(tmp)
         if dest.is_symlink(): dest.unlink()
@@ -124,37 +132,39 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOCo
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return save_failed(e, out, dest.name, model, optimizer, final)
-    for old in checkpoints(out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
+    for pruned in checkpoints(out)[:-keep]: shutil.rmtree(pruned, ignore_errors=True)
     return dest
 
 # %% ../nbs/42_checkpoints.ipynb #580d3784
 class CheckpointSaveError(OSError):
-    "The final checkpoint could not be written: the trained weights are not on disk. The message says why and what to do."
+    "The final checkpoint was not written, so the trained weights are not on disk; the message says why and what to do."
 
 def free_bytes(path) -> int:
     "Free space on the file system holding `path`."
     return shutil.disk_usage(path).free
 
-def _size(n: int) -> str:
-    return f"{n} bytes" if n < 10_000 else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+def _size(nbytes: int) -> str:
+    if nbytes < 10_000: return f"{nbytes} bytes"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
 
 def checkpoint_bytes(out: Path, model, optimizer) -> int:
-    "About how much a checkpoint takes: the newest one's size, else the saved weights (the adapter, or all) plus the optimizer state."
+    "About how much a checkpoint takes: the newest one's size, else the weights it saves plus the optimizer state."
     if prev := latest_checkpoint(out): return sum(p.stat().st_size for p in prev.rglob("*") if p.is_file())
-    weights = [p for p in model.parameters() if p.requires_grad or not hasattr(model, "peft_config")]
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in weights + state)
+    saved = [param for param in model.parameters() if param.requires_grad or not hasattr(model, "peft_config")]
+    optim_tensors = [t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in saved + optim_tensors)
 
 def save_failed(e: Exception, out: Path, name: str, model, optimizer, final: bool):
-    "Report a failed write of checkpoint folder `name`: a full disk (ENOSPC, or torch's `unexpected pos` with too little space left) with the space needed; warn and return None, or raise for the final one."
+    "Report a failed write of checkpoint folder `name`, saying if the disk is full; warn, or raise if `final`."
     need, free, prev = checkpoint_bytes(out, model, optimizer), free_bytes(out), latest_checkpoint(out)
     full = getattr(e, "errno", None) == errno.ENOSPC or free < need
     why = (f"the disk is full: {name} needs about {_size(need)} and {out} has {_size(free)} free" if full
            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if final:
         fix = "free space on that disk (or move output_dir to a larger one)" if full else "fix that"
+        resume_at = prev.name if prev else "the start"
         raise CheckpointSaveError(f"the final checkpoint {name} was not written: {why}; the trained weights are lost: "
-                                  f"{fix}, then resume_from=latest continues from {prev.name if prev else 'the start'}") from e
+                                  f"{fix}, then resume_from=latest continues from {resume_at}") from e
     print(f"WARNING: writing {name} failed ({type(e).__name__}: {e}); "
           f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'there is no earlier checkpoint'}"
           + (f"; {why}" if full else ""), file=sys.stderr)
@@ -166,101 +176,117 @@ class CheckpointError(ConfigError):
 
 def trainer_state(ck) -> dict:
     "A checkpoint's trainer_state.json, its `step` a whole number; a `CheckpointError` naming what is wrong otherwise."
-    path = Path(ck) / "trainer_state.json"
-    state = read_json(path, CheckpointError)
+    state_file = Path(ck) / "trainer_state.json"
+    state = read_json(state_file, CheckpointError)
     step = state.get("step") if isinstance(state, dict) else None
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{path}: step={short_repr(step)} is not a step number (the file was altered): use another checkpoint")
+        raise CheckpointError(f"{state_file}: step={short_repr(step)} is not a step number (the file was altered): "
+                              "use another checkpoint")
     return state
 
-def check_adapter_names(path: Path, model, weights: dict):
-    "Refuse an adapter file whose tensor names are not the model's adapter's (peft would load it, ignoring missing and extra names)."
+def check_adapter_names(ck: Path, model, weights: dict):
+    "Refuse an adapter file whose tensor names are not those of the model's adapter."
     from peft.utils import get_peft_model_state_dict
-    want = set(get_peft_model_state_dict(model))
-    wrong = {"missing": sorted(want - set(weights)), "unknown": sorted(set(weights) - want)}
+    expected = set(get_peft_model_state_dict(model))
+    wrong = {"missing": sorted(expected - set(weights)), "unknown": sorted(set(weights) - expected)}
     if not any(wrong.values()): return
-    said = "; ".join(f"{k} tensors: {len(ns)} ({ns[0]}{', ...' if len(ns) > 1 else ''})" for k, ns in wrong.items() if ns)
-    raise CheckpointError(f"{path / 'adapter' / 'adapter_model.safetensors'} does not match this model's adapter ({said}): it was "
-                          "altered, or written for another model or adapter setting; use another checkpoint")
+    said = "; ".join(f"{kind} tensors: {len(names)} ({names[0]}{', ...' if len(names) > 1 else ''})"
+                     for kind, names in wrong.items() if names)
+    adapter_file = ck / "adapter" / "adapter_model.safetensors"
+    raise CheckpointError(f"{adapter_file} does not match this model's adapter ({said}): "
+                          "it was altered, or written for another model or adapter setting; use another checkpoint")
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
-    "Restore weights, optimizer, scheduler and RNG from a checkpoint (checked against its manifest unless `verify=False`); return its trainer state. Only tensors and plain data are loaded: nothing in a checkpoint can run code."
-    path = Path(path)
-    if verify and (why := checkpoint_problem(path)): raise CheckpointError(f"checkpoint {path} cannot be used: {why}")
+def load_checkpoint(ck: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
+    "Restore weights, optimizer, scheduler and generators from checkpoint `ck`, and return its trainer state."
+    ck = Path(ck)
+    if verify and (why := checkpoint_problem(ck)): raise CheckpointError(f"checkpoint {ck} cannot be used: {why}")
     try:
-        if (path / "adapter").exists():
+        if (ck / "adapter").exists():
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
-            weights = load_file(path / "adapter" / "adapter_model.safetensors")
-            if not is_sharded(model): check_adapter_names(path, model, weights); set_peft_model_state_dict(model, weights)
+            weights = load_file(ck / "adapter" / "adapter_model.safetensors")
+            if not is_sharded(model): check_adapter_names(ck, model, weights); set_peft_model_state_dict(model, weights)
             else:                  # peft saves parameter names without the adapter's: put it back
-                name = f".{model.active_adapter}"
-                weights = {n: weights[n.replace(name, "")] for n, q in model.named_parameters()
-                           if q.requires_grad and n.replace(name, "") in weights}
+                adapter_part = f".{model.active_adapter}"
+                weights = {pname: weights[pname.replace(adapter_part, "")] for pname, param in model.named_parameters()
+                           if param.requires_grad and pname.replace(adapter_part, "") in weights}
         else:
             from transformers import AutoModelForCausalLM
-            weights = AutoModelForCausalLM.from_pretrained(path / "model", use_safetensors=True).state_dict()
+            weights = AutoModelForCausalLM.from_pretrained(ck / "model", use_safetensors=True).state_dict()
             if not is_sharded(model): model.load_state_dict(weights)
-        t = torch.load(path / "training.pt", map_location="cpu", weights_only=True)
-        if is_sharded(model): load_full_state_dicts(model, optimizer, weights, t["optimizer"])   # a collective
-        else: optimizer.load_state_dict(t["optimizer"])
-        scheduler.load_state_dict(t["scheduler"]); set_rng_state(t["rng"])
-        return trainer_state(path)
+        training = torch.load(ck / "training.pt", map_location="cpu", weights_only=True)
+        if is_sharded(model): load_full_state_dicts(model, optimizer, weights, training["optimizer"])   # a collective
+        else: optimizer.load_state_dict(training["optimizer"])
+        scheduler.load_state_dict(training["scheduler"]); set_rng_state(training["rng"])
+        return trainer_state(ck)
     except CheckpointError: raise
     except pickle.UnpicklingError:
-        raise CheckpointError(f"{path / 'training.pt'} holds objects other than tensors and plain data, which are not loaded "
-                              "(unpickling them could run code): it was altered, or written by an older mmrgrpo") from None
+        raise CheckpointError(f"{ck / 'training.pt'} holds objects other than tensors and plain data, "
+                              "which are not loaded (unpickling them could run code): "
+                              "it was altered, or written by an older mmrgrpo") from None
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"checkpoint {ck} cannot be loaded ({type(e).__name__}: {first_line})") from e
 
 # %% ../nbs/42_checkpoints.ipynb #6a358948
 # fields a resumed run may change: how long it runs, what it logs and saves, and how (not what) it computes
-RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completions_every", "log_with", "resume_from", "output_dir",
-             "overwrite", "threads", "data_dir", "micro_batch_size", "logp_chunk_size", "gradient_checkpointing", "share_prompt",
-             "max_nonfinite_steps", "vllm_gpu_memory_utilization", "vllm_sleep", "fused_decode", "fused_head", "keep_freed_memory",
-             "bf16_base", "pack_completions", "save_best")
+RESUMABLE = ("steps", "save_every", "eval_every", "eval_before", "log_completions_every", "log_with", "resume_from",
+             "output_dir", "overwrite", "threads", "data_dir", "micro_batch_size", "logp_chunk_size",
+             "gradient_checkpointing", "share_prompt", "max_nonfinite_steps", "vllm_gpu_memory_utilization",
+             "vllm_sleep", "fused_decode", "fused_head", "keep_freed_memory", "bf16_base", "pack_completions",
+             "save_best")
 
 def checkpoint_step(ck: Path) -> int:
     "The step a checkpoint was saved after, from its trainer_state.json."
     return trainer_state(ck)["step"]
 
 def config_changes(ck: Path, c: GRPOConfig) -> dict:
-    "{field: (the checkpoint's value, `c`'s)} for each field that differs; a field the checkpoint's config lacks counts as its default."
-    old = read_config_file(Path(ck) / "config.yaml")            # the config loader's guards: no alias bomb, no pipe
-    new, default = asdict(c), asdict(GRPOConfig())
-    return {k: (old.get(k, default[k]), v) for k, v in new.items() if old.get(k, default[k]) != v}
+    "{field: (the checkpoint's value, `c`'s)} for each field where the checkpoint's config and `c` differ."
+    saved = read_config_file(Path(ck) / "config.yaml")            # the config loader's guards: no alias bomb, no pipe
+    current, defaults = asdict(c), asdict(GRPOConfig())
+    return {field: (saved.get(field, defaults[field]), value) for field, value in current.items()
+            if saved.get(field, defaults[field]) != value}
 
 def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
-    "The checkpoint `c.resume_from` names ('latest': the newest in `out` that verifies), if its files verify and `c` changes only `RESUMABLE` fields."
+    "The checkpoint `c.resume_from` names, if its files verify and `c` changes only `RESUMABLE` fields."
     if c.resume_from == "latest":
         ck = latest_checkpoint(out, verify=True)
-        if ck is None and not run_in(out): raise ConfigError(f"resume_from='latest' but {out} holds no run to continue: "
-                                                             "leave resume_from out to start one there")
-        if ck is None: raise ConfigError(f"resume_from='latest' but {out} holds no complete checkpoint that verifies: "
-                                         "start a new run there with overwrite=true")
-    elif why := checkpoint_problem(ck := Path(c.resume_from)): raise CheckpointError(f"resume_from={c.resume_from!r} cannot be used: {why}")
+        if ck is None and not run_in(out):
+            raise ConfigError(f"resume_from='latest' but {out} holds no run to continue: "
+                              "leave resume_from out to start one there")
+        if ck is None:
+            raise ConfigError(f"resume_from='latest' but {out} holds no complete checkpoint that verifies: "
+                              "start a new run there with overwrite=true")
+    elif why := checkpoint_problem(ck := Path(c.resume_from)):
+        raise CheckpointError(f"resume_from={c.resume_from!r} cannot be used: {why}")
     if c.steps <= (step := checkpoint_step(ck)):
-        raise ConfigError(f"steps={c.steps}: {ck} is already at step {step}, so resuming would train nothing: set steps above {step}")
+        raise ConfigError(f"steps={c.steps}: {ck} is already at step {step}, so resuming would train nothing: "
+                          f"set steps above {step}")
     changes = config_changes(ck, c)
-    if fixed := {k: v for k, v in changes.items() if k not in RESUMABLE}:
-        raise ConfigError(f"resume_from={c.resume_from!r}: {ck} was trained with " + ", ".join(f"{k}={a!r}" for k, (a, b) in fixed.items())
-                          + "; this config has " + ", ".join(f"{k}={b!r}" for k, (a, b) in fixed.items()) + ". These change what "
-                          "the run is: resume with the checkpoint's values, or start a new run (overwrite=true or another output_dir)")
-    for k, (a, b) in changes.items():
-        if k not in ("resume_from", "overwrite", "output_dir"): print(f"resume: {k} changed from {a!r} to {b!r}")
+    if fixed := {field: change for field, change in changes.items() if field not in RESUMABLE}:
+        trained = ", ".join(f"{field}={before!r}" for field, (before, _) in fixed.items())
+        asked = ", ".join(f"{field}={after!r}" for field, (_, after) in fixed.items())
+        raise ConfigError(f"resume_from={c.resume_from!r}: {ck} was trained with {trained}; this config has {asked}. "
+                          "These change what the run is: resume with the checkpoint's values, or start a new run "
+                          "(overwrite=true or another output_dir)")
+    for field, (before, after) in changes.items():
+        if field not in ("resume_from", "overwrite", "output_dir"):
+            print(f"resume: {field} changed from {before!r} to {after!r}")
     return ck
 
 # %% ../nbs/42_checkpoints.ipynb #7299ba2d
 BEST = "best-checkpoint"       # save_best: the checkpoint of the best held-out evaluation so far
-RUN_FILES, LOCK = ("metrics.jsonl", "config.yaml", "reward_curve.png", "summary.md", "summary.json", "tensorboard", BEST), ".mmrgrpo.lock"
+RUN_FILES = ("metrics.jsonl", "config.yaml", "reward_curve.png", "summary.md", "summary.json", "tensorboard", BEST)
+LOCK = ".mmrgrpo.lock"
 
 def run_in(out) -> list:
-    "A previous run's checkpoints (its best-checkpoint too) and non-empty metrics.jsonl in `out` (a config.yaml alone is a run that never started)."
-    m, best = Path(out) / "metrics.jsonl", Path(out) / BEST
-    return checkpoints(out) + ([best] if best.exists() else []) + ([m] if m.is_file() and m.stat().st_size else [])
+    "A previous run's checkpoints (`best-checkpoint` too) and non-empty metrics.jsonl in `out`."
+    metrics, best = Path(out) / "metrics.jsonl", Path(out) / BEST
+    return (checkpoints(out) + ([best] if best.exists() else [])
+            + ([metrics] if metrics.is_file() and metrics.stat().st_size else []))
 
 def best_record(out) -> dict:
-    "What `out`'s best-checkpoint holds: {'step', 'eval/accuracy'}, or None where there is none, or one that does not verify (with a warning: the run's next evaluation replaces it)."
+    "What `out`'s best-checkpoint holds, {'step', 'eval/accuracy'}, or None without one that verifies."
     d = Path(out) / BEST
     if not d.exists(): return None
     if why := checkpoint_problem(d):
@@ -268,25 +294,27 @@ def best_record(out) -> dict:
     return trainer_state(d).get("best")
 
 def clear_run(out):
-    "Remove a run's files from `out`: checkpoints (half-written ones and best-checkpoint too), metrics, config, plots, summaries, TensorBoard logs."
+    "Remove the files of the run in `out`: its checkpoints (half-written ones too) and `RUN_FILES`."
     out = Path(out)
     for p in checkpoints(out) + list(out.glob(".tmp-checkpoint-*")) + [out / n for n in RUN_FILES]:
         if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
         elif p.is_symlink() or p.exists(): p.unlink()
 
 def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
-    "Ready `out` for run `c`; returns the checkpoint to resume from (None: a fresh run). A fresh run refuses a folder holding a run unless `overwrite` (which clears it first)."
+    "Ready `out` for run `c`, and return the checkpoint to resume from (None: a fresh run)."
     if c.resume_from and c.resume_from != "latest": check_resume_into(out, Path(c.resume_from))
     ck = resume_checkpoint(out, c) if c.resume_from else None
     if ck is not None and c.resume_from != "latest": check_no_later_checkpoints(out, ck)
-    if not c.resume_from and (old := run_in(out)):
+    if not c.resume_from and (previous := run_in(out)):
         if not c.overwrite:
-            raise ConfigError(f"output_dir={str(out)!r} holds a run ({', '.join(p.name for p in old)}): continue it with "
-                              "resume_from=latest, replace it with overwrite=true, or choose another output_dir")
+            raise ConfigError(f"output_dir={str(out)!r} holds a run ({', '.join(p.name for p in previous)}): "
+                              "continue it with resume_from=latest, replace it with overwrite=true, "
+                              "or choose another output_dir")
         if rank == 0: clear_run(out); print(f"overwrite=true: removed the previous run's files from {out}")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True); save_config(c, out / "config.yaml")
-        for tmp in out.glob(".tmp-checkpoint-*"): shutil.rmtree(tmp, ignore_errors=True)    # half-written by a killed run
+        # the temporary folders a killed run left half-written
+        for tmp in out.glob(".tmp-checkpoint-*"): shutil.rmtree(tmp, ignore_errors=True)
     return ck
 
 # %% ../nbs/42_checkpoints.ipynb #cb0cf129
@@ -294,81 +322,93 @@ def _same_file(path: Path, fd: int) -> bool:
     try: return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError: return False
 
-def _take_lock(path: Path):
-    "A file descriptor holding an exclusive flock on `path` (None on a file system without locks); a ConfigError naming the holder if another process has it."
+def _take_lock(lock_file: Path):
+    "A file descriptor holding an exclusive flock on `lock_file`, or None on a file system without locks."
     import fcntl
     while True:
-        try: fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try: fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             if e.errno != errno.ELOOP: raise
-            raise ConfigError(f"{path} is a symbolic link: {refuse_link(path.name)}") from None
+            raise ConfigError(f"{lock_file} is a symbolic link: {refuse_link(lock_file.name)}") from None
         if os.fstat(fd).st_nlink > 1:
-            os.close(fd); raise ConfigError(f"{path} is a hard link to another file: {refuse_link(path.name)}")
+            os.close(fd)
+            raise ConfigError(f"{lock_file} is a hard link to another file: {refuse_link(lock_file.name)}")
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"; os.close(fd)
-            raise ConfigError(f"output_dir={str(path.parent)!r} is in use by another run ({holder}): wait for it to end, "
-                              "or choose another output_dir") from None
+            raise ConfigError(f"output_dir={str(lock_file.parent)!r} is in use by another run ({holder}): "
+                              "wait for it to end, or choose another output_dir") from None
         except OSError as e:
-            os.close(fd); print(f"WARNING: cannot lock {path} ({e}): a second run in this folder would not be refused", file=sys.stderr)
+            os.close(fd)
+            print(f"WARNING: cannot lock {lock_file} ({e}): a second run in this folder would not be refused",
+                  file=sys.stderr)
             return None
-        if _same_file(path, fd): return fd
+        if _same_file(lock_file, fd): return fd
         os.close(fd)                                       # a run that just ended removed the file: lock the new one
 
 @contextlib.contextmanager
 def output_dir_lock(out: Path, enabled: bool = True):
-    "Hold `out` for one run; a second run there meanwhile is refused, naming the first. The lock (flock on out/.mmrgrpo.lock) ends with its process: a killed run leaves no stale lock."
-    path, fd = Path(out) / LOCK, None
+    "Hold `out` for one run: a second run there meanwhile is refused, naming the first."
+    lock_file, fd = Path(out) / LOCK, None
     if enabled and os.name == "posix":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if (fd := _take_lock(path)) is not None: os.ftruncate(fd, 0); os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        if (fd := _take_lock(lock_file)) is not None:
+            os.ftruncate(fd, 0); os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
     try: yield
     finally:
         if fd is not None:
-            with contextlib.suppress(OSError): os.unlink(path)
+            with contextlib.suppress(OSError): os.unlink(lock_file)
             os.close(fd)
 
 # %% ../nbs/42_checkpoints.ipynb #95986dc1
 def refuse_link(name: str) -> str:
     "The end of the message refusing a link where the run writes `name`."
-    return f"a run writes {name} itself and never through a link (it could point anywhere): remove the link, or choose another output_dir"
+    return (f"a run writes {name} itself and never through a link (it could point anywhere): remove the link, "
+            "or choose another output_dir")
 
 def _inside_checkpoint(out: Path):
     "The checkpoint folder that `out` is, or is inside (None: neither)."
     for d in [out, *out.parents]:
-        if (CHECKPOINT_NAME.fullmatch(d.name) or d.name == BEST) and ((d / MANIFEST).exists() or (d / "trainer_state.json").exists()): return d
+        named = CHECKPOINT_NAME.fullmatch(d.name) or d.name == BEST
+        if named and ((d / MANIFEST).exists() or (d / "trainer_state.json").exists()): return d
     return None
 
 def check_output_dir(out: Path):
-    "Refuse, in one line, an `output_dir` that cannot hold a run: a file, inside a checkpoint, not creatable, or holding links where the run writes."
+    "Refuse, in one line, an `output_dir` that cannot hold a run."
     out = Path(os.path.abspath(out))
     if out.exists() and not out.is_dir(): raise ConfigError(f"output_dir={str(out)!r} is a file: name a folder")
     if ck := _inside_checkpoint(out.resolve()):      # resolved: a link to a checkpoint is that checkpoint
-        raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; choose a folder "
-                          "outside every checkpoint-<step> folder")
+        raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; "
+                          "choose a folder outside every checkpoint-<step> folder")
     try: out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"output_dir={str(out)!r} cannot be created ({e.strerror}: {e.filename}): choose another output_dir") from None
-    if not os.access(out, os.W_OK | os.X_OK): raise ConfigError(f"output_dir={str(out)!r} is not writable: choose another output_dir")
-    written = [out / n for n in (*RUN_FILES, LOCK)] + list(out.glob("checkpoint-*")) + list(out.glob(".tmp-checkpoint-*"))
-    if links := [p for p in written if p.is_symlink()]: raise ConfigError(f"{links[0]} is a symbolic link: {refuse_link(links[0].name)}")
+        raise ConfigError(f"output_dir={str(out)!r} cannot be created ({e.strerror}: {e.filename}): "
+                          "choose another output_dir") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={str(out)!r} is not writable: choose another output_dir")
+    written = ([out / n for n in (*RUN_FILES, LOCK)] + list(out.glob("checkpoint-*"))
+               + list(out.glob(".tmp-checkpoint-*")))
+    if links := [p for p in written if p.is_symlink()]:
+        raise ConfigError(f"{links[0]} is a symbolic link: {refuse_link(links[0].name)}")
 
 def check_resume_into(out: Path, ck: Path):
-    "Resuming another run's checkpoint `ck` into `out` is allowed only where `out` holds no run, or `ck` is one of its own."
-    if not (ck / MANIFEST).is_file(): raise CheckpointError(f"resume_from={str(ck)!r} cannot be used: {checkpoint_problem(ck)}")
+    "Refuse to resume checkpoint `ck` into `out` where `out` holds a run that `ck` is not part of."
+    if not (ck / MANIFEST).is_file():
+        raise CheckpointError(f"resume_from={str(ck)!r} cannot be used: {checkpoint_problem(ck)}")
     owner = ck.parent
-    if owner.resolve() != Path(out).resolve() and (old := run_in(out)):
-        raise ConfigError(f"resume_from={str(ck)!r} is a checkpoint of the run in {owner}, and output_dir={str(out)!r} holds another "
-                          f"run ({', '.join(p.name for p in old)}): resume into {owner} (output_dir={str(owner)!r}) or into an "
-                          "empty output_dir")
+    if owner.resolve() != Path(out).resolve() and (previous := run_in(out)):
+        raise ConfigError(f"resume_from={str(ck)!r} is a checkpoint of the run in {owner}, and output_dir={str(out)!r} "
+                          f"holds another run ({', '.join(p.name for p in previous)}): resume into {owner} "
+                          f"(output_dir={str(owner)!r}) or into an empty output_dir")
 
 def check_no_later_checkpoints(out: Path, ck: Path):
-    "A verified checkpoint `ck` continues in `out` only if `out` holds no later `checkpoint-<step>` (of the run that went on past it)."
+    "Refuse to continue checkpoint `ck` in `out` where `out` holds a later `checkpoint-<step>`."
     step = checkpoint_step(ck)
     if later := [p.name for p in checkpoints(out) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) > step]:
-        raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, which went on to {', '.join(later)}: "
-                          "a run continuing there would mix its checkpoints with those (and rotating them would remove its "
-                          "own first); resume into an empty output_dir, or remove the later checkpoints first")
+        raise ConfigError(f"resume_from={str(ck)!r} is step {step} of the run in {out}, "
+                          f"which went on to {', '.join(later)}: a run continuing there would mix its checkpoints "
+                          "with those (and rotating them would remove its own first); resume into an empty output_dir, "
+                          "or remove the later checkpoints first")
 
 # %% ../nbs/42_checkpoints.ipynb #01c74c6e
 def where_to_resume(ck) -> str:
@@ -376,6 +416,6 @@ def where_to_resume(ck) -> str:
     return f"the last checkpoint is {ck} (resume_from=latest continues from it)" if ck else "there is no checkpoint yet"
 
 class TrainingInterrupted(KeyboardInterrupt):
-    "A run stopped by SIGINT, SIGTERM or SIGHUP (a KeyboardInterrupt, so `except Exception` does not swallow it); `exit_code` is 128 + the signal."
+    "A run stopped by SIGINT, SIGTERM or SIGHUP: a KeyboardInterrupt whose `exit_code` is 128 + the signal."
     def __init__(self, msg: str, signum: int = signal.SIGINT):
         super().__init__(msg); self.signum, self.exit_code = int(signum), 128 + int(signum)

@@ -1,4 +1,4 @@
-"""Several processes, one step: who takes which prompts, how gradients and metrics are summed, which backend reduces what.
+"""Several processes, one step: who takes which prompts, how gradients and metrics are summed, and FSDP2 sharding.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/distributed.html.md"""
 
@@ -22,7 +22,7 @@ def dist_info():
     return 0, 1
 
 def process_group_backend(cuda: bool) -> str:
-    "What `init_distributed` asks torch for: gloo for CPU tensors and nccl for CUDA tensors on a GPU machine, gloo alone on a CPU one."
+    "What `init_distributed` asks torch for: gloo for CPU tensors, and nccl for CUDA tensors on a GPU machine."
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED",)         # launches the trainer refuses (FSDP is served by `shard_policy`)
@@ -30,11 +30,12 @@ SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED",)         # launches the trainer refu
 def _env_flag(name: str) -> bool: return os.environ.get(name, "").lower() in ("1", "true")
 
 def init_distributed():
-    "Join the process group `torchrun` or `accelerate launch` describe in the environment (`process_group_backend`); no-op otherwise."
+    "Join the process group that `torchrun` or `accelerate launch` describe in the environment, if they do."
     import torch.distributed as dist
-    if sharded := [k for k in SHARDING_ENV if _env_flag(k)]:
-        raise ConfigError(f"{sharded[0]}=true (an accelerate DeepSpeed config): DeepSpeed ZeRO is not supported (its engine would "
-                          "have to own the backward pass and the optimizer step). Launch with configs/accelerate/ddp.yaml, "
+    if refused := [k for k in SHARDING_ENV if _env_flag(k)]:
+        raise ConfigError(f"{refused[0]}=true (an accelerate DeepSpeed config): DeepSpeed ZeRO is not supported "
+                          "(its engine would have to own the backward pass and the optimizer step). "
+                          "Launch with configs/accelerate/ddp.yaml, "
                           "configs/accelerate/fsdp2.yaml (sharded) or torchrun --nproc_per_node=N")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -43,19 +44,19 @@ def init_distributed():
 
 # %% ../nbs/40a_distributed.ipynb #32c8659c
 def _served(backend: str) -> set:
-    "Device types a process group's backend reduces: 'cpu:gloo,cuda:nccl' both, 'nccl' CUDA only, gloo (and others) both."
+    "The device types a process group's backend reduces."
     b = str(backend).lower()
     if ":" in b: return {pair.split(":")[0].strip() for pair in b.split(",")}
     return {"cuda"} if b == "nccl" else {"cpu", "cuda"}
 
 def reduce_device(backend: str, x) -> torch.device:
-    "Where `all_reduce_sum` reduces `x`: its own device when `backend` serves it (a number lives on the CPU), else the CUDA device (nccl alone cannot reduce CPU tensors)."
+    "Where `all_reduce_sum` reduces `x`: its own device when `backend` serves it, else the current CUDA device."
     home = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
     if home.type in _served(backend): return home
     return torch.device("cuda", torch.cuda.current_device()) if "cuda" in _served(backend) else torch.device("cpu")
 
 def all_reduce_sum(x):
-    "Sum a tensor (or number) over processes, in float64, on a device the process group serves; identity in a single process."
+    "Sum a tensor (or a number) over processes in float64; a copy of it in a single process."
     import torch.distributed as dist
     rank, world = dist_info()
     t = torch.as_tensor(x, dtype=torch.float64)
@@ -68,10 +69,11 @@ def all_reduce_sum(x):
     return t if isinstance(x, torch.Tensor) else t.item()
 
 # %% ../nbs/40a_distributed.ipynb #48965fba
-GLOBAL_METRICS = ("loss", "kl", "clip_ratio", "entropy", "grad_norm", "nonfinite_updates", "tokens/kept_fraction", "learning_rate")
+GLOBAL_METRICS = ("loss", "kl", "clip_ratio", "entropy", "grad_norm", "nonfinite_updates", "tokens/kept_fraction",
+                  "learning_rate")
 
 def reduce_metrics(m: dict) -> dict:
-    "A step's metrics over all processes: `time/*` and `memory/*` max, counts (ints) summed, other numbers averaged, `GLOBAL_METRICS` as they are."
+    "A step's metrics reduced over all processes, each by its kind (the rules above)."
     import torch.distributed as dist
     rank, world = dist_info()
     if world == 1: return m
@@ -81,33 +83,37 @@ def reduce_metrics(m: dict) -> dict:
     for k, v in m.items():
         if k in GLOBAL_METRICS or isinstance(v, bool) or not isinstance(v, (int, float)): continue
         vals = [d[k] for d in every if k in d]
-        out[k] = max(vals) if k.startswith(("time/", "memory/")) else sum(vals) if isinstance(v, int) else sum(vals) / len(vals)
+        if k.startswith(("time/", "memory/")): out[k] = max(vals)
+        else: out[k] = sum(vals) if isinstance(v, int) else sum(vals) / len(vals)
     return out
 
 # %% ../nbs/40a_distributed.ipynb #7efe1d02
 def uses_fsdp(c) -> bool:
-    "Whether a run shards its policy with FSDP2: `sharding='fsdp2'` or an accelerate FSDP launch (ACCELERATE_USE_FSDP=true), on more than one process."
+    "Whether a run shards its policy with FSDP2 (asked for by the config or the launch, on more than one process)."
     return (c.sharding == "fsdp2" or _env_flag("ACCELERATE_USE_FSDP")) and dist_info()[1] > 1
 
 def is_sharded(model) -> bool:
-    "True for a model `shard_model` sharded (an FSDP2 module). Its `parameters()` are the shards (DTensors) except while its root is gathered (after a gradient-free forward, until the next backward)."
+    "True for a model `shard_model` sharded (an FSDP2 module)."
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
 def shard_model(model):
-    "FSDP2 in place: `fully_shard` each decoder layer, then the root (embeddings, final norm, output layer). Gradients are summed over processes, not averaged (the loss normalisers are whole-batch counts), and `get_decoder` and `generate` count as forwards of the root, so the root's weights are gathered when `completion_stats` or sampling reach past `forward`."
+    "Shard `model` in place with FSDP2, each decoder layer and then the root, its gradients summed over processes."
     from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
     for layer in model.get_decoder().layers: fully_shard(layer)
     fully_shard(model)
-    for m in model.modules():
-        if isinstance(m, FSDPModule): m.set_gradient_divide_factor(1.0); m.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)      # gloo: no PREMUL_SUM
     for method in ("get_decoder", "generate"): register_fsdp_forward_method(model, method)
     return model
 
 def shard_policy(model, c):
     "`shard_model(model)` when `uses_fsdp(c)`, refusing what sharding does not support; else `model` as it is."
     if not uses_fsdp(c): return model
-    why = ("generation_backend='vllm' (vLLM needs the whole weights at every sync)" if c.generation_backend == "vllm" else
+    why = ("generation_backend='vllm' (vLLM needs the whole weights at every sync)"
+           if c.generation_backend == "vllm" else
            "load_in_4bit=true (FSDP2 cannot shard bitsandbytes 4-bit weights)" if c.load_in_4bit else
            "gradient_checkpointing=true (not tested with FSDP2 here)" if c.gradient_checkpointing else None)
     if why: raise ConfigError(f"sharding='fsdp2' (or an accelerate FSDP launch) with {why}: turn that off, or launch "
@@ -116,23 +122,24 @@ def shard_policy(model, c):
 
 # %% ../nbs/40a_distributed.ipynb #9c496697
 def full_value(t):
-    "A DTensor's whole value as a plain tensor (`clip_grad_norm_` over sharded gradients returns one); anything else as it is."
+    "A DTensor's whole value as a plain tensor; anything else as it is."
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 def full_state_dicts(model, optimizer) -> tuple:
-    "(model, optimizer) state dicts of a sharded model, whole, on rank 0's CPU (other ranks get empty dicts); frozen weights left out. A collective: every process calls it."
+    "The (model, optimizer) state dicts of a sharded model, whole, on rank 0's CPU."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     weights, optim = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, optimizer, options=o)
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False): names.setdefault(id(p), []).append(n)
-    for same in names.values():       # tied weights (an input embedding that is also the output layer) gathered as one tensor again
+    # tied weights (an input embedding that is also the output layer) gathered as one tensor again
+    for same in names.values():
         for n in same[1:]:
             if same[0] in weights and n in weights: weights[n] = weights[same[0]]
     return weights, optim
 
 def load_full_state_dicts(model, optimizer, weights: dict, optim: dict):
-    "Shard whole (model, optimizer) state dicts, as `full_state_dicts` returned them, into a sharded model and its optimizer; every process passes them."
+    "Shard whole (model, optimizer) state dicts, as `full_state_dicts` returns them, into a sharded model."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
     missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
     if missing: raise KeyError(f"the saved weights lack {len(missing)} trained parameter(s), e.g. {missing[0]}")

@@ -1,4 +1,4 @@
-"""Time and peak memory per phase of a step, and `metrics.jsonl`: what a run leaves to read and plot.
+"""Time and peak memory per phase of a step, and `metrics.jsonl`: the strict-JSON log a run leaves to read and plot.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/runlog.html.md"""
 
@@ -17,7 +17,7 @@ from .config import ConfigError
 
 # %% ../nbs/40_runlog.ipynb #d328ae7e
 class RSSSampler:
-    "Reads this process's resident memory every `interval` s in a daemon thread; `peak` is the largest reading since `reset()`."
+    "Reads this process's resident memory every `interval` s in a daemon thread, keeping the `peak` since `reset()`."
     def __init__(self, interval: float = 0.005):
         self.interval, self.lock, self.peak = interval, threading.Lock(), 0.0
         self.page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 0.0
@@ -45,6 +45,7 @@ class RSSSampler:
         "The peak since the last reset, including now."
         with self.lock: return max(self.peak, self.rss_mb() or 0.0)
 
+# one sampler per process: its thread runs until the process ends, so every `Phases` shares it rather than start another
 _SAMPLER = None
 def rss_sampler() -> RSSSampler:
     "The process's one `RSSSampler`, started on first use."
@@ -57,9 +58,10 @@ def process_peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+# %% ../nbs/40_runlog.ipynb #ef822092
 @dataclass
 class Phases:
-    "Wall-clock (s) and peak resident memory (MB) per phase of the current step, logged as time/<name> and memory/<name>."
+    "Wall-clock (s) and peak resident memory (MB) per phase of the current step."
     t: dict = field(default_factory=dict)
     mem: dict = field(default_factory=dict)
     @contextlib.contextmanager
@@ -73,17 +75,19 @@ class Phases:
             if sampler.ok: self.mem[name] = max(self.mem.get(name, 0.0), sampler.read())
     def metrics(self):
         m = {f"time/{k}": v for k, v in self.t.items()}
-        if self.mem: m.update({f"memory/{k}": v for k, v in self.mem.items()}, **{"memory/peak": max(self.mem.values())})
+        if self.mem:
+            m.update({f"memory/{k}": v for k, v in self.mem.items()}, **{"memory/peak": max(self.mem.values())})
         return m
 
 # %% ../nbs/40_runlog.ipynb #73ac8e4e
 def _step_of(line: str, where: str = "metrics.jsonl") -> float:
-    "The step of one metrics.jsonl line; inf for a blank line or one a crash cut short (so resuming drops it); a `ConfigError` for a step that is no number."
+    "The step of one metrics.jsonl line (inf where none can be read); a `ConfigError` for a step that is no number."
     try: row = json.loads(line)
     except (json.JSONDecodeError, RecursionError): return math.inf
     step = row.get("step", 0) if isinstance(row, dict) else math.inf
     if isinstance(step, bool) or not isinstance(step, (int, float)):
-        raise ConfigError(f"{where}: step={short_repr(step)} is not a step number (the file was altered): fix or remove that line")
+        raise ConfigError(f"{where}: step={short_repr(step)} is not a step number (the file was altered): "
+                          "fix or remove that line")
     return step
 
 MAX_METRICS_BYTES = 1 << 30     # a million steps of a kilobyte each
@@ -97,17 +101,20 @@ def _finite_or_none(v):
 
 # %% ../nbs/40_runlog.ipynb #f29831a9
 class MetricsLogger:
-    "metrics.jsonl always (one strict-JSON object per line, flushed; NaN/inf as null), plus TensorBoard / trackio / wandb when asked."
-    def __init__(self, out: Path, backends=("jsonl",), config: dict = None, resume_step: int = None, enabled: bool = True):
+    "Writes each step's metrics to metrics.jsonl, one strict-JSON line, and to TensorBoard, trackio or wandb if asked."
+    def __init__(self, out: Path, backends=("jsonl",), config: dict = None, resume_step: int = None,
+                 enabled: bool = True):
         self.enabled, self.path, self.sinks = enabled, Path(out) / "metrics.jsonl", {}
         if not enabled: return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():    # drop lines logged after the checkpoint we resume from
             lines = read_file_bytes(self.path, ConfigError, MAX_METRICS_BYTES).decode(errors="replace").splitlines()
             keep = [l for i, l in enumerate(lines, 1) if _step_of(l, f"{self.path} line {i}") <= resume_step]
-            replace_file(self.path, "".join(l + "\n" for l in keep))     # a crash or a full disk leaves the old file or the new
+            # a crash or a full disk leaves the old file or the new
+            replace_file(self.path, "".join(l + "\n" for l in keep))
         elif resume_step is None and self.path.exists(): self.path.unlink()
-        self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")   # never through a link
+        # O_NOFOLLOW: never through a link
+        self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             self.sinks["tensorboard"] = SummaryWriter(str(Path(out) / "tensorboard"))
@@ -118,7 +125,8 @@ class MetricsLogger:
 
     def log(self, metrics: dict, step: int):
         if not self.enabled: return
-        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) else v)
+        numeric = (int, float, np.floating)
+        row = {"step": step, **{k: float(v) if isinstance(v, numeric) and not isinstance(v, bool) else v
                                 for k, v in metrics.items()}}
         self.f.write(json.dumps(_finite_or_none(row), allow_nan=False) + "\n"); self.f.flush()
         nums = {k: v for k, v in row.items() if isinstance(v, float)}
@@ -134,14 +142,17 @@ class MetricsLogger:
         if "wandb" in self.sinks: self.sinks["wandb"].finish()
 
 def read_metrics(path) -> list:
-    "The rows of a metrics.jsonl file; a last line cut short (a run stopped while writing it) is skipped, with a warning that counts it."
+    "The rows of a metrics.jsonl file, a last line cut short (a run stopped while writing it) skipped with a warning."
     path, rows = Path(path), []
     text = read_file_bytes(path, ValueError, MAX_METRICS_BYTES).decode(errors="replace")     # not a pipe: it would hang
-    lines = [(i, l) for i, l in enumerate(text.splitlines(), 1) if l.strip()]
-    for i, l in lines:
+    numbered = [(i, l) for i, l in enumerate(text.splitlines(), 1) if l.strip()]
+    for i, l in numbered:
         try: rows.append(json.loads(l))
-        except RecursionError: raise ValueError(f"{path} line {i} is nested too deep to read: the file was altered") from None
+        except RecursionError:
+            raise ValueError(f"{path} line {i} is nested too deep to read: the file was altered") from None
         except json.JSONDecodeError as e:
-            if i != lines[-1][0]: raise ValueError(f"{path} line {i} is not JSON ({e.msg}): the file was altered") from None
-            print(f"WARNING: {path}: skipped 1 line cut short (line {i}, the last; a run stopped while writing it)", file=sys.stderr)
+            if i != numbered[-1][0]:
+                raise ValueError(f"{path} line {i} is not JSON ({e.msg}): the file was altered") from None
+            print(f"WARNING: {path}: skipped 1 line cut short (line {i}, the last; a run stopped while writing it)",
+                  file=sys.stderr)
     return rows

@@ -191,6 +191,7 @@ def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
                                  f"{latest_checkpoint(run.out)}. Lower learning_rate or check the reward functions.")
     return metrics, skipped_update
 
+# %% ../nbs/44_trainer.ipynb #f6b6c29b
 def keep_if_best(run: Run, step: int, metrics: dict):
     "With `save_best`, an evaluation after step `step` that beats the run's best so far becomes the `best-checkpoint`."
     acc = metrics.get("eval/accuracy")

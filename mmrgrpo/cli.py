@@ -34,8 +34,8 @@ def summary_table(res, wall: float) -> str:
             before, after = res.eval_before.get(k, float("nan")), res.eval_after.get(k, float("nan"))
             lines.append(f"| {k} before -> after | {before:.3f} -> {after:.3f} |")
     if res.best:
-        best, step = res.best["eval/accuracy"], res.best["step"]
-        lines.append(f"| best eval/accuracy (best-checkpoint) | {best:.3f} after step {step} |")
+        best_accuracy, step = res.best["eval/accuracy"], res.best["step"]
+        lines.append(f"| best eval/accuracy (best-checkpoint) | {best_accuracy:.3f} after step {step} |")
     lines.append(f"| steps | {len(rows)} |")
     lines.append(f"| wall-clock, whole run | {wall:.0f} s |")
     for k in phases:
@@ -45,19 +45,20 @@ def summary_table(res, wall: float) -> str:
 
 # %% ../nbs/45_cli.ipynb #ae636caa
 def _parser():
-    p = argparse.ArgumentParser(prog="mmrgrpo",
-                                description="GRPO with MMR reweighting, completion pruning and token selection")
-    sub = p.add_subparsers(dest="command", required=True)
-    default = lambda f: f.default if not callable(f.default_factory) else f.default_factory()
-    fields_help = "\n".join(f"  {f.name} = {default(f)!r}: {f.metadata['help']}" for f in fields(GRPOConfig))
-    for name, help in [("train", "train a policy with GRPO"), ("eval", "evaluate a model on held-out tasks"),
-                       ("demo", "the CPU demo: SmolLM2-135M learns arithmetic")]:
-        s = sub.add_parser(name, help=help, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config fields (override as key=value):\n" + fields_help)
-        s.add_argument("--config", help="YAML file with config fields")
-        s.add_argument("overrides", nargs="*", help="key=value pairs that override the config file")
-        if name == "eval": s.add_argument("--checkpoint", help="checkpoint folder whose adapter/model to evaluate")
-    return p
+    parser = argparse.ArgumentParser(prog="mmrgrpo",
+                                     description="GRPO with MMR reweighting, completion pruning and token selection")
+    sub = parser.add_subparsers(dest="command", required=True)
+    default_of = lambda f: f.default if not callable(f.default_factory) else f.default_factory()
+    fields_help = "\n".join(f"  {f.name} = {default_of(f)!r}: {f.metadata['help']}" for f in fields(GRPOConfig))
+    for name, help_text in [("train", "train a policy with GRPO"), ("eval", "evaluate a model on held-out tasks"),
+                            ("demo", "the CPU demo: SmolLM2-135M learns arithmetic")]:
+        cmd_parser = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    epilog="config fields (override as key=value):\n" + fields_help)
+        cmd_parser.add_argument("--config", help="YAML file with config fields")
+        cmd_parser.add_argument("overrides", nargs="*", help="key=value pairs that override the config file")
+        if name == "eval":
+            cmd_parser.add_argument("--checkpoint", help="checkpoint folder whose adapter/model to evaluate")
+    return parser
 
 def user_errors() -> tuple:
     "The errors a user can cause and fix: a config, data, a reward function, a file or folder, NaN updates."
@@ -84,7 +85,7 @@ def main(argv=None):
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     args.overrides += [a for a in extra if not a.startswith("-")]       # key=value after --config too
-    if extra := [a for a in extra if a.startswith("-")]: parser.error(option_hint(extra))
+    if options := [a for a in extra if a.startswith("-")]: parser.error(option_hint(options))
     try: return run_command(args)
     except user_errors() as e:
         print("error: " + "; ".join(l.strip() for l in str(e).splitlines() if l.strip()), file=sys.stderr); return 2
@@ -104,8 +105,8 @@ def exit_if_held(code: int):
     time.sleep(EXIT_GRACE_S)
     print(f"WARNING: exiting without waiting for a thread still running {EXIT_GRACE_S:g} s after the command ended "
           "(a job a reward function left in a thread pool?)", file=sys.stderr)
-    for s in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception): s.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception): stream.flush()
     os._exit(code)
 
 def run_command(args) -> int:
@@ -158,8 +159,8 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
         load_checkpoint(Path(checkpoint), model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     backend = HFBackend(model, tok, c.max_prompt_length, cache_room=first_hook("cache_room"))
     prompts = [build_prompt(tok, c, t["question"], src) for t in tasks]
-    res = run_eval(backend, prompts, [t["answer"] for t in tasks], c, tok, progress=True)
-    print(json.dumps({k: v for k, v in res.items() if k != "eval/correct"}, indent=1))   # per-task lists are for files
+    metrics = run_eval(backend, prompts, [t["answer"] for t in tasks], c, tok, progress=True)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "eval/correct"}, indent=1))   # per-task lists: for files
     return 0
 
 def held_out_tasks(c: GRPOConfig) -> list:
@@ -221,7 +222,7 @@ def claim_demo_folder(out: Path):
     from mmrgrpo.checkpoints import run_in
     mark = out / DEMO_MARK
     if (old := run_in(out)) and not (mark.is_file() and not mark.is_symlink()):
-        raise ConfigError(f"{out} holds a run that the demo did not write ({', '.join(p.name for p in old)}): "
+        raise ConfigError(f"{out} holds a run that the demo did not write ({', '.join(path.name for path in old)}): "
                           "move it away, or run the demo elsewhere with output_dir=<folder>")
     out.mkdir(parents=True, exist_ok=True)
     replace_file(mark, "written by `mmrgrpo demo`: the demo's next run replaces the run in this folder\n")

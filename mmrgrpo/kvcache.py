@@ -1,4 +1,4 @@
-"""The KV cache under the name each transformers version gives it, and cache layers that write each new token into room reserved ahead instead of copying the whole cache.
+"""Cache layers that write each new token into room reserved ahead, instead of copying the whole cache at every step.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/kvcache.html.md"""
 
@@ -18,7 +18,7 @@ except ImportError: DynamicLayer = None                      # older transformer
 
 if DynamicLayer is not None:
     class ReservedLayer(DynamicLayer):
-        "A cache layer that writes each new position into reserved room, where `DynamicLayer` concatenates (copies) it all."
+        "A cache layer writing each new position into reserved room, where `DynamicLayer` copies the whole cache."
         def reserve(self, extra: int):
             n = self.keys.shape[-2]
             self._k = self.keys.new_empty(*self.keys.shape[:-2], n + extra, self.keys.shape[-1])
@@ -37,16 +37,18 @@ if DynamicLayer is not None:
         def batch_select_indices(self, indices: torch.Tensor):
             "Keep the batch rows `indices`, in that order, in place: only rows that change places are copied."
             if not self.is_initialized: return
-            n, m = self.keys.shape[-2], len(indices)
-            moved = (indices != torch.arange(m, device=indices.device)).nonzero().squeeze(-1)
+            n, n_kept = self.keys.shape[-2], len(indices)
+            moved = (indices != torch.arange(n_kept, device=indices.device)).nonzero().squeeze(-1)
             if len(moved):
-                self._k[moved, :, :n], self._v[moved, :, :n] = self._k[indices[moved], :, :n], self._v[indices[moved], :, :n]
-            self._k, self._v = self._k[:m], self._v[:m]
+                sources = indices[moved]
+                self._k[moved, :, :n] = self._k[sources, :, :n]
+                self._v[moved, :, :n] = self._v[sources, :, :n]
+            self._k, self._v = self._k[:n_kept], self._v[:n_kept]
             self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
 
 # %% ../nbs/60_kvcache.ipynb #01480498
 def reserve_cache(cache, extra: int):
-    "Give each plain dynamic layer of `cache` room for `extra` more positions (others, and older transformers, untouched)."
+    "Give each plain dynamic layer of `cache` room for `extra` more positions; other layers are left as they are."
     for layer in getattr(cache, "layers", []):
         if DynamicLayer is not None and type(layer) is DynamicLayer and layer.is_initialized:
             layer.__class__ = ReservedLayer

@@ -1,4 +1,4 @@
-"""A plain copy of the policy with its LoRA adapter folded into the weights, in the dtype this machine multiplies fastest, refreshed after every update.
+"""Sampling from a copy of the policy with its LoRA adapter folded in, in the dtype this machine multiplies fastest.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/sampler_copy.html.md"""
 
@@ -18,8 +18,9 @@ from .sampling import HFBackend
 from .speedups import Speedup
 
 # %% ../nbs/61_sampler_copy.ipynb #48c52496
-def sampler_dtype(choice: str = "auto", device="cpu", quantized: bool = False, sharded: bool = False) -> Optional[torch.dtype]:
-    "The dtype of the sampling copy, or None to sample with the policy; 'auto': on a CPU bf16 where it is fast, else fp32; elsewhere None."
+def sampler_dtype(choice: str = "auto", device="cpu", quantized: bool = False,
+                  sharded: bool = False) -> Optional[torch.dtype]:
+    "The dtype of the sampling copy `choice` asks for, or None to sample with the policy itself."
     if choice == "policy": return None
     if choice != "auto": return getattr(torch, choice)
     if torch.device(device).type != "cpu" or quantized or sharded: return None
@@ -27,12 +28,12 @@ def sampler_dtype(choice: str = "auto", device="cpu", quantized: bool = False, s
 
 # %% ../nbs/61_sampler_copy.ipynb #a687577c
 def lora_layers(model) -> dict:
-    "The LoRA-wrapped linear layers of a peft model, under their names in the plain model (peft's prefix removed); {} without LoRA."
+    "The LoRA-wrapped linear layers of a peft model, by their names in the plain model; {} without LoRA."
     return {name.removeprefix("base_model.model."): m for name, m in model.named_modules()
             if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
 
 def merged_copy(model, dtype: torch.dtype) -> torch.nn.Module:
-    "A plain transformers model: `model` with its LoRA adapter folded into the weights, in `dtype`, frozen, in eval mode."
+    "A plain transformers model: `model` with its adapter folded into the weights, in `dtype`, frozen, in eval mode."
     plain = copy.deepcopy(model)
     if hasattr(plain, "merge_and_unload"): plain = plain.merge_and_unload()
     return plain.to(dtype).eval().requires_grad_(False)
@@ -55,11 +56,12 @@ def refresh_copy(sampler, model) -> None:
 
 # %% ../nbs/61_sampler_copy.ipynb #e0e48cd8
 class CopyBackend(HFBackend):
-    "`HFBackend` sampling from a merged copy of the policy in `copy_dtype`, refreshed from the policy after each update."
+    "`HFBackend` sampling from a merged copy of the policy in `copy_dtype`, refreshed after each update."
     def __init__(self, model, tokenizer, *args, copy_dtype: torch.dtype, **kwargs):
         super().__init__(merged_copy(model, copy_dtype), tokenizer, *args, **kwargs)
         self.copy_dtype = copy_dtype
-        refresh_copy(self.model, model)        # peft's merge sums in the base's dtype; this sums in fp32, as every refresh does
+        # peft's merge sums in the base's dtype; this sums in fp32, as every refresh does
+        refresh_copy(self.model, model)
 
     def sync_weights(self, model):
         "After an update: recompute the copy's adapted layers from `model`."
@@ -75,7 +77,8 @@ def copy_sampler(c: GRPOConfig, model, tokenizer, cache_room=None, backend=None)
     "A `backend` (default `CopyBackend`) sampling from the run's merged copy, or None where the run has no copy."
     dtype = sampling_copy_dtype(c, model)
     if dtype is None: return None
-    return (backend or CopyBackend)(model, tokenizer, max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt,
-                                    cache_room=cache_room, copy_dtype=dtype, record_logprobs=c.tis_cap_ > 0)
+    return (backend or CopyBackend)(model, tokenizer, max_prompt_length=c.max_prompt_length,
+                                    share_prompt=c.share_prompt, cache_room=cache_room, copy_dtype=dtype,
+                                    record_logprobs=c.tis_cap_ > 0)
 
 SPEEDUP = Speedup("merged sampling copy", rank=30, sampler=copy_sampler)

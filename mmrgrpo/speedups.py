@@ -1,4 +1,4 @@
-"""Where the trainer takes its sampler and its update passes from: the plain parts, the hooks faster ones plug into, and the speed-ups this install registers.
+"""Where a run takes its sampler and update passes from: plain parts, hooks for faster ones, the speed-ups installed.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/speedups.html.md"""
 
@@ -79,7 +79,8 @@ def load_speedups(group: str = ENTRY_POINTS) -> tuple:
         found.append(s)
     return by_rank(found)
 
-# process-wide: the installed speed-ups, read once (installed packages do not change while a process runs); None: not yet
+# Process-wide, as what it holds is: the speed-ups installed in this environment, read from the entry points once
+# (installed packages do not change while a process runs), or those `use_speedups` chose; None: not read yet.
 _IN_USE = None
 
 def speedups() -> tuple:
@@ -104,11 +105,11 @@ def hooks(name: str) -> list:
 
 def first_hook(name: str):
     "The lowest-ranked set hook called `name`, or None."
-    found = hooks(name)
-    return found[0] if found else None
+    set_hooks = hooks(name)
+    return set_hooks[0] if set_hooks else None
 
 def first_answer(name: str, *args):
-    "The first answer other than None of the speed-ups' `name` hooks to `args`, lowest rank first; None if none answers."
+    "The first answer other than None of the speed-ups' `name` hooks to `args`, lowest rank first, or None."
     for hook in hooks(name):
         answer = hook(*args)
         if answer is not None: return answer

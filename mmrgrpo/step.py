@@ -1,4 +1,4 @@
-"""Score, reweight, advantages, prune, and the update with its passes: the by-hand step of `19_one_step` as the functions the trainer composes.
+"""The phases of `19_one_step` as functions (longer than 300 lines because the update's passes are told one by one).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 
@@ -35,48 +35,55 @@ from .speedups import PassStats, first_answer, hooks
 def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple:
     "Weighted rewards (N,) and metrics for a rollout whose groups come from `records`."
     columns = {k: [r.get(k) for r in records for _ in range(rollout.group_size)] for k in records[0] if k != "question"}
-    return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns, on_error=c.on_reward_error,
-                           timeout=c.reward_timeout)
+    return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns,
+                           on_error=c.on_reward_error, timeout=c.reward_timeout)
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict:
-    "TRL's numbers about a step's completions: mean reward and its spread in groups, zero-spread groups, length, truncation."
+    "TRL's numbers about a step's completions: mean reward, its spread in groups, flat groups, length, truncation."
     G = rollout.group_size
     return {"reward": rewards.mean().item(), "reward_std": group_view(rewards, G).std(1).mean().item(),
-            "frac_reward_zero_std": frac_zero_std(rewards, G), "completion_length": rollout.completion_mask.sum(-1).float().mean().item(),
+            "frac_reward_zero_std": frac_zero_std(rewards, G),
+            "completion_length": rollout.completion_mask.sum(-1).float().mean().item(),
             "completions/truncated_fraction": rollout.truncated.float().mean().item()}
+
 
 # %% ../nbs/41_step.ipynb #12af2134
 def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embedder=None, phases=None) -> tuple:
-    "Advantages (N,) from rewards, with the completions' similarity taken into account when `c.reweight` asks; plus metrics."
+    "Advantages (N,) and metrics, the completions' similarity taken into account when `c.reweight` asks."
     G, phases = rollout.group_size, phases or Phases()
     plain = group_advantages(rewards, G, scale=c.scale_rewards_)
     if c.reweight == "none": return plain, {}
     same_text = list(zip(rollout.group_ids.tolist(), rollout.completions))
     with phases("mmr"):
         emb, n_long = embed_completions(rollout.completions, embedder, return_truncated=True)
-        if c.reweight == "mmr" and c.mmr_variant == "credit":       # the credit: GRPO's advantages, shared among the winners
-            advantages = share_duplicates(diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda), same_text)
+        # the credit: GRPO's advantages, shared among the winners
+        if c.reweight == "mmr" and c.mmr_variant == "credit":
+            credit = diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda)
+            advantages = share_duplicates(credit, same_text)
             push = plain.clamp(min=0).sum().item()                   # 0 when every group is flat: nothing to move
             moved = (advantages - plain).abs().sum().item() / 2 / push if push > 1e-3 else 0.0
             lam = 1 - credit_beta(group_view(rewards, G), c.mmr_lambda).mean().item()      # the paper's λ; β = 1 - λ
-            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved, "mmr/zero_std_groups_revived": 0.0, "mmr/lambda": lam}
+            return advantages, {"mmr/truncated": n_long, "mmr/credit_moved": moved, "mmr/zero_std_groups_revived": 0.0,
+                                "mmr/lambda": lam}
         if c.reweight == "mmr":
-            used, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
-                                             scope=c.mmr_scope, tie_break=c.mmr_tie_break)
-        else: used, lams = dra_reweight(rewards, emb, G), None
+            reweighted, lams = mmr_reweight_groups(rewards, emb, G, lam=c.mmr_lambda, first_pick=c.mmr_first_pick,
+                                                   scope=c.mmr_scope, tie_break=c.mmr_tie_break)
+        else: reweighted, lams = dra_reweight(rewards, emb, G), None
         # the same text twice in a group gets one reweighted reward: identical samples cancel whatever runs later
-        used = share_duplicates(used, same_text)
-    metrics = {f"reward_{c.reweight}": used.mean().item(), "mmr/truncated": n_long,
-               "mmr/zero_std_groups_revived": zero_std_groups_revived(rewards, used, G)}
+        reweighted = share_duplicates(reweighted, same_text)
+    metrics = {f"reward_{c.reweight}": reweighted.mean().item(), "mmr/truncated": n_long,
+               "mmr/zero_std_groups_revived": zero_std_groups_revived(rewards, reweighted, G)}
     if lams is not None: metrics["mmr/lambda"] = lams.float().mean().item()
-    return group_advantages(used, G, scale=c.scale_rewards_), metrics
+    return group_advantages(reweighted, G, scale=c.scale_rewards_), metrics
 
 def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int = 0) -> tuple:
-    "Keep the completions with the largest |advantage| (CPPO, or an ablation by `c.prune_mode`); the rest never reach the model."
+    "Keep the completions with the largest |advantage| (CPPO, or the ablation `c.prune_mode` names), drop the rest."
     if not c.prune_rate: return rollout, advantages, {"prune/kept_fraction": 1.0}
     generator = torch.Generator().manual_seed(seed) if c.prune_mode == "random" else None
-    keep = keep_mask(advantages, rollout.group_size, c.prune_rate, scope=c.prune_scope, mode=c.prune_mode, generator=generator)
+    keep = keep_mask(advantages, rollout.group_size, c.prune_rate, scope=c.prune_scope, mode=c.prune_mode,
+                     generator=generator)
     return rollout.select(keep), advantages[keep], {"prune/kept_fraction": keep.float().mean().item()}
+
 
 # %% ../nbs/41_step.ipynb #8984ee1d
 CPU_MICRO_BATCH_POSITIONS = 1024          # completion positions per automatic micro-batch on a CPU (fp32)
@@ -108,7 +115,7 @@ def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group
                   width,                    # completion positions per row: T, or each row's (a list; packed rows)
                   size: int = 0,            # rows per pass; 0: automatic
                   device_type: str = "cpu",
-                  positions: int = CPU_MICRO_BATCH_POSITIONS,   # completion positions per pass on a CPU (automatic size)
+                  positions: int = CPU_MICRO_BATCH_POSITIONS,   # completion positions per pass (automatic size, CPU)
                  ) -> list:                 # row slices covering 0..N
     "Row slices for the passes: `size` rows each, or automatic (a GPU: all rows; a CPU: `group_passes`)."
     n = len(group_ids)
@@ -122,7 +129,7 @@ def splits_groups(group_ids: torch.Tensor, slices: list) -> bool:
 
 # %% ../nbs/41_step.ipynb #d4e06705
 def machine_memory(device) -> tuple:
-    "(total, available) bytes where a step runs: the GPU's on CUDA, else RAM (Linux /proc/meminfo, capped by a cgroup limit); (None, None) unknown."
+    "(total, available) bytes where a step runs: the GPU's on CUDA, else RAM; (None, None) when unknown."
     if torch.device(device).type == "cuda": free, total = torch.cuda.mem_get_info(device); return total, free
     try:
         info = {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in open("/proc/meminfo") if ":" in l)}
@@ -135,55 +142,63 @@ def machine_memory(device) -> tuple:
 def _bytes(tensors) -> int: return sum(t.numel() * t.element_size() for t in tensors)
 
 def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt_tokens: int = 0) -> dict:
-    "A step's memory in bytes by part (the formula above), from the model's shape and `c`; `copies`: other models the run holds; `prompt_tokens`: the longest prompt (0: `max_prompt_length`)."
-    cfg, params, kind = model.config, list(model.parameters()), next(model.parameters()).device.type
+    "A step's memory in bytes by part (the formula above), from the model's shape and `c`."
+    cfg, params, device_type = model.config, list(model.parameters()), next(model.parameters()).device.type
     h, L, V, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.num_attention_heads
     kv, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or h // heads
-    a = 2 if choose_dtype(kind, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
+    a = 2 if choose_dtype(device_type, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
     G, T, P = c.num_generations, c.max_completion_length, min(prompt_tokens or c.max_prompt_length, c.max_prompt_length)
-    rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
-    group_ids = torch.arange(rows // G).repeat_interleave(G)
-    mb = max(s.stop - s.start for s in micro_batches(group_ids, T, c.micro_batch_size, kind, pass_positions(c, kind)))
-    positions = (mb // G + (2 if mb % G else 0)) * P + mb * T if c.share_prompt and not c.gradient_checkpointing else mb * (P + T)
+    n_rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
+    group_ids = torch.arange(n_rows // G).repeat_interleave(G)
+    slices = micro_batches(group_ids, T, c.micro_batch_size, device_type, pass_positions(c, device_type))
+    mb = max(s.stop - s.start for s in slices)
+    if c.share_prompt and not c.gradient_checkpointing: mb_positions = (mb // G + (2 if mb % G else 0)) * P + mb * T
+    else: mb_positions = mb * (P + T)
     kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
     parts = {"weights": _bytes(params) + sum(_bytes(m.parameters()) for m in copies if m is not None),
              "optimizer": 12 * sum(p.numel() for p in params if p.requires_grad),
-             "kv_cache": rows * (P + T) * kv_row, "sampling_logits": rows * V * 8,
-             "activations": positions * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
+             "kv_cache": n_rows * (P + T) * kv_row, "sampling_logits": n_rows * V * 8,
+             "activations": mb_positions * L * (16 * h + 4 * getattr(cfg, "intermediate_size", 4 * h)) * a,
              "update_logits": mb * min(T, c.logp_chunk_size) * V * 12}
     parts["total"] = parts["weights"] + parts["optimizer"] + max(parts["kv_cache"] + parts["sampling_logits"],
                                                                  parts["activations"] + parts["update_logits"])
-    parts["certain"] = parts["weights"] + parts["optimizer"] + rows * T * kv_row
-    return {**parts, "rows": rows, "micro_batch_rows": mb, "bytes_per_activation": a}
+    parts["certain"] = parts["weights"] + parts["optimizer"] + n_rows * T * kv_row
+    return {**parts, "rows": n_rows, "micro_batch_rows": mb, "bytes_per_activation": a}
 
 def _gib(n: int) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
-def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True, prompt_tokens: int = 0) -> dict:
-    "Refuse a step that cannot fit in this machine's memory (`ConfigError`), warn about one that may not; return the estimate."
+def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True,
+                      prompt_tokens: int = 0) -> dict:
+    "Refuse a step that cannot fit in memory (`ConfigError`), warn about one that may not; return the estimate."
     est = estimate_step_memory(model, c, world, copies, prompt_tokens)
     total, available = machine_memory(next(model.parameters()).device)
     if total is None: return est
     shape = f"{est['rows']} completions of {c.max_completion_length} tokens per process"
     if est["certain"] > total:
-        raise ConfigError(f"a step needs at least {_gib(est['certain'])} (weights, optimizer state and the KV cache of {shape}) and "
-                          f"this machine has {_gib(total)}: lower num_generations, prompts_per_step or max_completion_length")
+        raise ConfigError(f"a step needs at least {_gib(est['certain'])} (weights, optimizer state and the KV cache of "
+                          f"{shape}) and this machine has {_gib(total)}: lower num_generations, prompts_per_step or "
+                          "max_completion_length")
     if warn and est["total"] > available:
-        big = ", ".join(f"{k} {_gib(est[k])}" for k in ("weights", "optimizer", "kv_cache", "activations", "update_logits"))
-        print(f"WARNING: a step may need about {_gib(est['total'])} ({big}; {shape}, {est['micro_batch_rows']} per micro-batch) and "
-              f"{_gib(available)} is available: lower micro_batch_size, max_completion_length or num_generations, or turn on "
-              "gradient_checkpointing", file=sys.stderr)
+        shown = ("weights", "optimizer", "kv_cache", "activations", "update_logits")
+        by_part = ", ".join(f"{k} {_gib(est[k])}" for k in shown)
+        print(f"WARNING: a step may need about {_gib(est['total'])} ({by_part}; {shape}, {est['micro_batch_rows']} per "
+              f"micro-batch) and {_gib(available)} is available: lower micro_batch_size, max_completion_length or "
+              "num_generations, or turn on gradient_checkpointing", file=sys.stderr)
     return est
+
 
 # %% ../nbs/41_step.ipynb #6d1f3a8e
 def importance_cap(c: GRPOConfig, rollout: Rollout) -> float:
-    "The cap C of the sampler correction for `rollout` (0: off): `c.tis_cap_` when the rollout has the sampler's log-probs."
+    "The sampler correction's cap C for `rollout` (0: off): `c.tis_cap_` when the rollout has the sampler's log-probs."
     if not c.tis_cap_ or rollout.sampler_logprobs is not None: return c.tis_cap_
     if c.tis_cap is None: return 0.0         # auto: nothing to correct against
-    raise ValueError(f"tis_cap={c.tis_cap}: the rollout has no sampler log-probs (Rollout.sampler_logprobs) to weight against; "
-                     "the vLLM backend and a merged sampling copy (sampler_dtype) record them, a learner sampling itself needs no "
-                     "correction: set tis_cap=0 or null")
+    raise ValueError(f"tis_cap={c.tis_cap}: the rollout has no sampler log-probs (Rollout.sampler_logprobs) to weight "
+                     "against; the vLLM backend and a merged sampling copy (sampler_dtype) record them, a learner "
+                     "sampling itself needs no correction: set tis_cap=0 or null")
 
-_SCALERS = weakref.WeakKeyDictionary()    # one GradScaler per optimizer: the loss scale carries over from step to step
+# One GradScaler per optimizer, kept here because the loss scale must outlive each `update` call and `update`'s callers
+# hold only the optimizer; weak keys, so a finished run's scaler goes with its optimizer.
+_SCALERS = weakref.WeakKeyDictionary()
 GRAD_SCALE_START = 2.0 ** 10               # not torch's 2**16: a step's weight gradients sum over thousands of tokens
 
 def needs_grad_scaler(device_type: str, dtype) -> bool:
@@ -198,14 +213,15 @@ def grad_scaler(optimizer, device_type: str, dtype):
 
 # %% ../nbs/41_step.ipynb #b4a9f71c
 def _rows(rollout: Rollout, rows):
-    return rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows], rollout.completion_mask[rows]
+    return (rollout.prompt_ids[rows], rollout.prompt_mask[rows],
+            rollout.completion_ids[rows], rollout.completion_mask[rows])
 
 def shares_prompts(c: GRPOConfig) -> bool:
-    "Whether this pass runs each group's prompt once: `share_prompt`, and no checkpointed layers in a pass with gradients."
+    "Whether this pass runs each group's prompt once: `share_prompt`, unless it checkpoints layers under gradients."
     return c.share_prompt and not (c.gradient_checkpointing and torch.is_grad_enabled())
 
 def pass_stats(c: GRPOConfig, model) -> PassStats:
-    "How this pass computes the completions' statistics: a speed-up's `PassStats`, else `completion_stats` on padded rows."
+    "How this pass computes the completions' statistics: a speed-up's `PassStats`, else `completion_stats`."
     return first_answer("pass_stats", c, model) or PassStats()
 
 @contextlib.contextmanager
@@ -216,7 +232,7 @@ def pass_context(c: GRPOConfig, model):
         yield
 
 def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool = False) -> tuple:
-    "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp carries gradients when they are enabled."
+    "(logp, entropy, log_sumsq) of the completions in `rows` under `model`; logp has gradients when they are enabled."
     groups = rollout.group_ids[rows] if shares_prompts(c) else 1      # 1: each row runs its own prompt
     how = pass_stats(c, model)
     with pass_context(c, model):
@@ -227,24 +243,26 @@ def policy_stats(model, rollout: Rollout, c: GRPOConfig, rows, with_sumsq: bool 
 def batch_logprobs(model, rollout: Rollout, c: GRPOConfig, slices: list, with_sumsq: bool = False) -> tuple:
     "Gradient-free (logp, entropy, log_sumsq) for every row of `rollout`, micro-batch by micro-batch."
     outs = [policy_stats(model, rollout, c, rows, with_sumsq) for rows in slices]
-    return tuple(torch.cat(x) if x[0] is not None else None for x in zip(*outs))
+    return tuple(torch.cat(parts) if parts[0] is not None else None for parts in zip(*outs))
 
 # %% ../nbs/41_step.ipynb #18e4d283
 def choose_tokens(c: GRPOConfig, stats: tuple, logp_old, logp_ref, advantages, mask, group_ids) -> torch.Tensor:
-    "The tokens (N, T) that keep their advantage, by the configured selector, from the current policy's (logp, entropy, log_sumsq)."
+    "The tokens (N, T) that keep their advantage, picked by the configured selector from the current policy's `stats`."
     logp, entropy, log_sumsq = stats
-    scores = token_scores(c.token_selection, entropy, logp.detach(), logp.detach() if logp_old is None else logp_old, advantages,
-                          logp_ref, log_sumsq, beta=c.beta_, eps_low=c.eps_low, eps_high=c.eps_high_,
-                          weights=loss_weights(mask, c.loss_type))     # w_i: each token's share of the aggregated loss
-    return select_tokens(scores, mask, group_ids, c.keep_ratio, scope="batch" if c.token_selection == "entropy" else "group",
-                         inverse=c.token_selection_inverse)
+    old = logp.detach() if logp_old is None else logp_old
+    # weights w_i: each token's share of the aggregated loss
+    scores = token_scores(c.token_selection, entropy, logp.detach(), old, advantages, logp_ref, log_sumsq, beta=c.beta_,
+                          eps_low=c.eps_low, eps_high=c.eps_high_, weights=loss_weights(mask, c.loss_type))
+    scope = "batch" if c.token_selection == "entropy" else "group"
+    return select_tokens(scores, mask, group_ids, c.keep_ratio, scope=scope, inverse=c.token_selection_inverse)
+
 
 # %% ../nbs/41_step.ipynb #0f5cd42a
-_SUMS = ("kl", "entropy", "clipped", "carrying", "kept_tokens", "is_ratio", "is_capped")    # what the update's metrics add up
+_SUMS = ("kl", "entropy", "clipped", "carrying", "kept_tokens", "is_ratio", "is_capped")    # what the metrics add up
 
 @dataclass
 class UpdateBatch:
-    "What the passes of one `update` share: the model, optimizer and kept rollout, its micro-batches, counts and running sums."
+    "What one `update`'s passes share: model, optimizer, kept rollout, its micro-batches, counts and running sums."
     model: torch.nn.Module
     optimizer: object
     rollout: Rollout
@@ -256,28 +274,33 @@ class UpdateBatch:
 
     def __post_init__(self):
         # the update runs on the policy's device: its inputs go there (no-ops after train_step)
-        self.rollout, self.advantages = (x.to(next(self.model.parameters()).device) for x in (self.rollout, self.advantages))
-        c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)     # mask (N, T)
+        device = next(self.model.parameters()).device
+        self.rollout, self.advantages = self.rollout.to(device), self.advantages.to(device)
+        c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)   # mask (N, T)
         self.group_ids, device_type = self.rollout.group_ids, self.advantages.device.type
-        widths = pass_stats(c, self.model).widths              # what a pass holds of each row: its own length, or T
-        width = widths(self.mask).tolist() if widths else self.mask.shape[1]
-        self.slices = micro_batches(self.group_ids, width, c.micro_batch_size, device_type, pass_positions(c, device_type))
-        self.scaler = grad_scaler(self.optimizer, device_type, choose_dtype(device_type, autocast=c.autocast_bf16).autocast)
+        widths_of = pass_stats(c, self.model).widths           # what a pass holds of each row: its own length, or T
+        width = widths_of(self.mask).tolist() if widths_of else self.mask.shape[1]
+        positions = pass_positions(c, device_type)
+        self.slices = micro_batches(self.group_ids, width, c.micro_batch_size, device_type, positions)
+        autocast_dtype = choose_dtype(device_type, autocast=c.autocast_bf16).autocast
+        self.scaler = grad_scaler(self.optimizer, device_type, autocast_dtype)
         self.cap = importance_cap(c, self.rollout)
         self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.mask.sum().item())
         self.selecting, self.with_sumsq = c.token_selection != "none", c.token_selection == "logit_grad"
-        # scores rank whole groups (the entropy selector: the whole batch); when a micro-batch cannot see that, score in a pass first
+        # scores rank whole groups (the entropy selector: the whole batch); when a micro-batch cannot see that,
+        # score in a pass first
         self.score_first = self.selecting and (splits_groups(self.group_ids, self.slices)
                                                or (c.token_selection == "entropy" and len(self.slices) > 1))
         self.sums = dict.fromkeys(_SUMS, 0.0)
 
-    def forwarded(self, rows: int):
-        "Count `rows` more rows through the model."
-        self.counter["forward_rows"] = self.counter.get("forward_rows", 0) + rows
+    def forwarded(self, n_rows: int):
+        "Count `n_rows` more rows through the model."
+        self.counter["forward_rows"] = self.counter.get("forward_rows", 0) + n_rows
 
     def check_stop(self, where: str):
         "Raise `StepAbandoned` when `should_stop()` says so."
         if self.should_stop is not None and self.should_stop(): raise StepAbandoned(f"the update stopped {where}")
+
 
 # %% ../nbs/41_step.ipynb #d30b8ad1
 def reference_pass(u: UpdateBatch, ref_model=None) -> torch.Tensor:
@@ -305,14 +328,14 @@ def token_pass(u: UpdateBatch, iteration: int, old_stats, logp_ref) -> torch.Ten
 
 # %% ../nbs/41_step.ipynb #725c6b9f
 def sampler_weights(u: UpdateBatch, rows, old: torch.Tensor, row_mask: torch.Tensor, first: bool):
-    "Truncated importance weights min(pi_old / pi_sampler, cap) (rows, T) for tokens another engine sampled; None when off."
+    "Truncated importance weights min(pi_old / pi_sampler, cap) (rows, T) where another engine sampled; None when off."
     if not u.cap: return None
     is_weights, capped, ratio = truncated_is_weights(old, u.rollout.sampler_logprobs[rows], u.cap, row_mask)
     if first: u.sums["is_ratio"] += ratio[row_mask].sum().item(); u.sums["is_capped"] += capped[row_mask].sum().item()
     return is_weights
 
 def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, token_keep) -> float:
-    "Forward, token selection, loss and backward on the rows `rows`; adds their counts to `u.sums` and returns the loss."
+    "Forward, token selection, loss and backward on the rows `rows`; adds their counts to `u.sums`, returns the loss."
     c, mask = u.c, u.mask[rows]
     u.check_stop("between micro-batches")
     with u.phases("update"):
@@ -324,9 +347,9 @@ def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, t
     carrying = row_mask                                     # the tokens trained on (token selection: the selected)
     if u.selecting:
         with u.phases("select"):
-            keep = token_keep[rows] if u.score_first else choose_tokens(c, (logp, entropy, log_sumsq), old, ref, adv, mask,
-                                                                        u.group_ids[rows])
-            adv, carrying = mask_advantages(adv, keep), keep & row_mask
+            if u.score_first: selected = token_keep[rows]
+            else: selected = choose_tokens(c, (logp, entropy, log_sumsq), old, ref, adv, mask, u.group_ids[rows])
+            adv, carrying = mask_advantages(adv, selected), selected & row_mask
     with u.phases("update"):
         is_weights = sampler_weights(u, rows, old, row_mask, first=iteration == 0)
         loss_t, clipped, kl = per_token_loss(logp, old, adv, ref, beta=c.beta_, eps_low=c.eps_low, eps_high=c.eps_high_,
@@ -341,41 +364,50 @@ def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, t
 
 # %% ../nbs/41_step.ipynb #a803a45b
 def optimizer_step(u: UpdateBatch, loss_sum: float) -> tuple:
-    "Sum the gradients over processes, unscale, clip, and step unless the loss or gradient is not finite: (loss_sum, grad_norm, stepped)."
+    "Sum, unscale and clip the gradients, step unless they or the loss are not finite: (loss_sum, grad_norm, stepped)."
     model, optimizer, scaler, c = u.model, u.optimizer, u.scaler, u.c
     with u.phases("update"):
-        if dist_info()[1] > 1:      # every process takes the same step: the summed gradient, and the loss of the whole batch
+        # every process takes the same step: the summed gradient, and the loss of the whole batch
+        if dist_info()[1] > 1:
             loss_sum = all_reduce_sum(loss_sum)
-            for p in ([] if is_sharded(model) else model.parameters()):     # FSDP2 summed the gradient shards in the backward
+            # a sharded model (FSDP2) summed its gradient shards in the backward pass already
+            for p in ([] if is_sharded(model) else model.parameters()):
                 if p.requires_grad and p.grad is not None: p.grad.copy_(all_reduce_sum(p.grad).to(p.grad.dtype))
         params = [p for p in model.parameters() if p.requires_grad]     # (with FSDP2: the shards, after the backward)
         u.check_stop("before the optimizer step")
-        if scaler is not None: scaler.unscale_(optimizer)       # the summed gradients, back to their true size before clipping
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm else float("inf")))
+        # the summed gradients, back to their true size before clipping
+        if scaler is not None: scaler.unscale_(optimizer)
+        max_norm = c.max_grad_norm if c.max_grad_norm else float("inf")
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         stepped = bool(math.isfinite(loss_sum) and torch.isfinite(grad_norm))
         if stepped: optimizer.step() if scaler is None else scaler.step(optimizer)
         if scaler is not None: scaler.update()          # a skipped step halves the scale, a run of good ones grows it
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, stepped
 
+
 # %% ../nbs/41_step.ipynb #fb1195fd
 def update_metrics(u: UpdateBatch, loss: float, grad_norm, skipped: int) -> dict:
-    "The update's logged numbers from its running sums (over all processes): loss, kl, entropy, clip_ratio, grad_norm, and the options'."
-    kl, entropy, clipped, carrying, kept_tokens, is_ratio, is_capped = all_reduce_sum(torch.tensor(list(u.sums.values()))).tolist()
+    "The update's logged numbers, from its running sums over all processes: loss, kl, entropy, clip_ratio and more."
+    totals = all_reduce_sum(torch.tensor(list(u.sums.values()))).tolist()
+    kl, entropy, clipped, carrying, kept_tokens, is_ratio, is_capped = totals
     n_tok = max(u.n_tok, 1)
     metrics = {"loss": loss, "kl": kl / n_tok, "entropy": entropy / n_tok,
-               "clip_ratio": clipped / max(carrying, 1),          # over the tokens trained on: an unselected one cannot be clipped
+               # over the tokens trained on: an unselected one cannot be clipped
+               "clip_ratio": clipped / max(carrying, 1),
                "grad_norm": float(grad_norm), "nonfinite_updates": skipped}
     if u.selecting: metrics["tokens/kept_fraction"] = kept_tokens / n_tok
     if u.cap: metrics.update({"is/ratio_mean": is_ratio / n_tok, "is/clipped_frac": is_capped / n_tok})
     if u.scaler is not None: metrics["amp/grad_scale"] = u.scaler.get_scale()
     return metrics
 
+
 # %% ../nbs/41_step.ipynb #57b7f8b7
 def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, ref_model=None, phases=None,
            counter=None, should_stop=None) -> dict:
-    "Reference pass, old-log-prob pass, then per iteration: (token scoring,) forward, loss and backward per micro-batch, one optimizer step. `should_stop()` true between micro-batches: `StepAbandoned`, before any optimizer step."
-    u = UpdateBatch(model, optimizer, rollout, advantages, c, phases or Phases(), counter if counter is not None else {}, should_stop)
+    "The reference and old-log-prob passes, then per iteration the micro-batches and an optimizer step: the metrics."
+    counter = counter if counter is not None else {}
+    u = UpdateBatch(model, optimizer, rollout, advantages, c, phases or Phases(), counter, should_stop)
     logp_ref = reference_pass(u, ref_model) if c.beta_ else None
     old_stats = old_logprob_pass(u) if c.num_iterations > 1 else None
     logp_old = None if old_stats is None else old_stats[0]
@@ -388,3 +420,4 @@ def update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, c: GRPO
         skipped += not stepped
         loss += loss_sum / c.num_iterations
     return update_metrics(u, loss, grad_norm, skipped)
+

@@ -1,4 +1,4 @@
-"""`train` is the one-step lesson of `19_one_step` repeated: set up once, then a loop of `train_step`, with evaluation, logs and checkpoints around it. (The module is longer than 300 lines because the run is told in named pieces, setup, the loop, logging, checkpoints and the evaluations, each with its docstring, rather than as one long function.)
+"""`19_one_step` in a loop, with evaluation, logs and checkpoints (longer than 300 lines because a run has many parts).
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
@@ -47,9 +47,9 @@ class StepTools:
     scheduler: object
     backend: object                  # samples completions: `HFBackend` or `VLLMBackend`
     reward_funcs: list
-    ref_model: object = None         # a frozen copy for full fine-tuning with beta > 0 (LoRA turns its adapter off instead)
+    ref_model: object = None         # full fine-tuning with beta > 0: a frozen copy (LoRA turns its adapter off)
     embedder: object = None          # the sentence-transformers model MMR/DRA reweighting embeds with
-    should_stop: object = None       # a function: True once a stop signal has waited too long (the step is then abandoned)
+    should_stop: object = None       # a function: True once a stop signal has waited too long (the step is abandoned)
     after_step: list = field(default_factory=list)     # the speed-ups' functions to call after each step (metrics)
 
 @dataclass
@@ -65,11 +65,13 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
     phases, started = Phases(), time.perf_counter()
     prompts = [build_prompt(tools.tokenizer, c, r["question"], c.task) for r in records]
     with phases("generate"):
-        rollout = tools.backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)
+        rollout = tools.backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p,
+                                         seed=seed)
     with phases("reward"):
         rewards, metrics = score(rollout, records, tools.reward_funcs, c)
-    device = next(tools.model.parameters()).device      # from here on one device, the policy's: the sampler (vLLM) and the
-    rollout, rewards = rollout.to(device), rewards.to(device)   # reward functions hand their results over on the CPU
+    # from here on one device, the policy's: the sampler (vLLM) and the reward functions hand results over on the CPU
+    device = next(tools.model.parameters()).device
+    rollout, rewards = rollout.to(device), rewards.to(device)
     advantages, reweight_metrics = advantages_for(rewards, rollout, c, tools.embedder, phases)
     kept, kept_advantages, prune_metrics = prune(rollout, advantages, c, seed=seed)
     update_metrics = update(tools.model, tools.optimizer, kept, kept_advantages, c, tools.ref_model, phases, counter,
@@ -80,17 +82,19 @@ def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counte
               *(after() for after in tools.after_step)):
         metrics.update(m)
     metrics.update({"time/step": time.perf_counter() - started, "learning_rate": tools.scheduler.get_last_lr()[0],
-                    # the whole run's peak so far (loading and evaluation too); the kernel's count can lag the sampler's by a page
+                    # the whole run's peak so far (loading and evaluation too); the kernel's count can lag the
+                    # sampler's by a page
                     "memory/process_peak": max(process_peak_rss_mb(), metrics.get("memory/peak", 0.0))})
     return StepResult(metrics, rollout, rewards, advantages)
 
 # %% ../nbs/44_trainer.ipynb #0eccd1c2
-def completions_table(ro: Rollout, rewards, adv, n: int = 4, width: int = 70) -> str:
+def completions_table(rollout: Rollout, rewards, advantages, n: int = 4, width: int = 70) -> str:
     "A plain-text table of the first `n` completions of a step: reward, advantage, text."
     lines = [f"{'reward':>7} {'adv':>7}  completion"]
-    for i in range(min(n, len(ro.completions))):
-        t = ro.completions[i].replace("\n", " ")
-        lines.append(f"{float(rewards[i]):7.2f} {float(adv[i]):7.2f}  {t[:width] + ('...' if len(t) > width else '')}")
+    for i in range(min(n, len(rollout.completions))):
+        text = rollout.completions[i].replace("\n", " ")
+        shown = text[:width] + ("..." if len(text) > width else "")
+        lines.append(f"{float(rewards[i]):7.2f} {float(advantages[i]):7.2f}  {shown}")
     return "\n".join(lines)
 
 @dataclass
@@ -106,16 +110,17 @@ class TrainResult:
     best: dict = None        # save_best: {'step', 'eval/accuracy'} of the run's best-checkpoint
 
 def run_eval(backend, eval_prompts, eval_answers, c, tokenizer, progress: bool = False):
-    "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak resident memory (memory/eval, MB); `progress`: a bar while it runs."
+    "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak memory (memory/eval)."
     phases = Phases()
     with phases("eval"):
-        metrics = evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length, n_samples=c.eval_samples,
-                           temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99, progress=progress)
+        metrics = evaluate(backend, eval_prompts, eval_answers, max_new_tokens=c.max_completion_length,
+                           n_samples=c.eval_samples, temperature=c.temperature, top_p=c.top_p, seed=c.seed + 99,
+                           progress=progress)
     return {**metrics, **{k: v for k, v in phases.metrics().items() if k == "memory/eval"}}
 
 # %% ../nbs/44_trainer.ipynb #c763d1e5
 def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop_after: int = None) -> TrainResult:
-    "Run GRPO as `c` says; returns metrics and the trained model. `stop_after` ends the run early after that step (for tests). The run holds `output_dir` (a second run there is refused); SIGINT/SIGTERM end the step, save a checkpoint and raise `TrainingInterrupted`."
+    "Run GRPO as `c` says: the metrics and the trained model."
     rank, world = init_distributed()
     c = check_config(c, world)      # the checked copy (types, `~` in folders, mmr and reweight) is what runs
     check_model_source(c.model, c.gguf_file)
@@ -129,17 +134,18 @@ def train(c: GRPOConfig, model=None, tokenizer=None, progress: bool = True, stop
             for tear_down in hooks("tear_down"): tear_down(c)
 
 # %% ../nbs/44_trainer.ipynb #6114c3d2
-def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state: dict, skipped_update: bool, stopping: bool):
-    "Write checkpoint-<done> when due: every `save_every` steps, when stopping, and at the end, where a failed write raises `CheckpointSaveError`. A skipped (NaN/inf) update is not saved, except as the last step: its weights are those the step began with."
+def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state: dict, skipped_update: bool,
+                    stopping: bool):
+    "Write checkpoint-<done> when due: every `save_every` steps, when stopping, and at the end."
     final = done == c.steps
     if not ((c.save_every and done % c.save_every == 0) or final or stopping) or (skipped_update and not final): return
     if skipped_update and dist_info()[0] == 0:
-        print(f"WARNING: the last update (step {done}) was skipped (a NaN/inf loss or gradient): checkpoint-{done} holds the "
-              "weights that step began with", file=sys.stderr)
+        print(f"WARNING: the last update (step {done}) was skipped (a NaN/inf loss or gradient): checkpoint-{done} "
+              "holds the weights that step began with", file=sys.stderr)
     save_checkpoint(out, done, tools.model, tools.optimizer, tools.scheduler, c, state, final=final)
 
 def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict):
-    "Step `step + 1` was abandoned after a stop signal (no update made): save the last completed step, with the RNG states it ended with, and return the exception that ends the run."
+    "After a stop signal abandoned step `step + 1`, save step `step` and return the exception that ends the run."
     ck = out / f"checkpoint-{step}"
     if step and not ck.exists():
         set_rng_state(rng)
@@ -149,7 +155,7 @@ def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, 
 # %% ../nbs/44_trainer.ipynb #6041c02d
 @dataclass
 class Run:
-    "What the steps of a run share: the config, the step's tools, the data, the output folder, stop signals, state and logger."
+    "What the steps of a run share: the config, the step's tools, data, output folder, stop signals, state and logger."
     c: GRPOConfig
     tools: StepTools
     data: "RunData"
@@ -165,35 +171,39 @@ class Run:
 
 def eval_line(when: str, metrics: dict) -> str:
     "An evaluation's float metrics on one line."
-    return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if isinstance(v, float) and k.startswith("eval/"))
+    shown = {k: v for k, v in metrics.items() if isinstance(v, float) and k.startswith("eval/")}
+    return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items())
 
 def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
-    "Count a skipped update, evaluate when due, log and report step `done`, stop after too many skipped updates: (metrics, skipped)."
+    "Count a skipped update, evaluate when due, log and report step `done`: (metrics, skipped_update)."
     c, state = run.c, run.state
     metrics = reduce_metrics(result.metrics)
     skipped_update = bool(result.metrics["nonfinite_updates"])
     state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
-    if c.eval_every and run.data.eval_prompts and done % c.eval_every == 0 and done < c.steps: metrics.update(run.evaluate_now())
-    if done == 1: metrics.update(run.first_metrics)       # the run's dtypes, once: precision/weights, precision/autocast
+    eval_due = c.eval_every and run.data.eval_prompts and done % c.eval_every == 0 and done < c.steps
+    if eval_due: metrics.update(run.evaluate_now())
+    if done == 1: metrics.update(run.first_metrics)       # the run's dtypes, once: precision/weights, .../autocast
     run.logger.log(metrics, done)
     if run.rank == 0: report_step(c, bar, done, metrics, result)
     if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:
-        raise FloatingPointError(f"{state['nonfinite_in_a_row']} updates in a row had a NaN/inf loss or gradient and were "
-                                 f"skipped (step {done}); the last good checkpoint is {latest_checkpoint(run.out)}. "
-                                 "Lower learning_rate or check the reward functions.")
+        raise FloatingPointError(f"{state['nonfinite_in_a_row']} updates in a row had a NaN/inf loss or gradient and "
+                                 f"were skipped (step {done}); the last good checkpoint is "
+                                 f"{latest_checkpoint(run.out)}. Lower learning_rate or check the reward functions.")
     return metrics, skipped_update
 
+# %% ../nbs/44_trainer.ipynb #f6b6c29b
 def keep_if_best(run: Run, step: int, metrics: dict):
-    "With `save_best`: when this evaluation's `eval/accuracy` beats the run's best so far, record it and write `best-checkpoint` (the weights of step `step`, as evaluated)."
+    "With `save_best`, an evaluation after step `step` that beats the run's best so far becomes the `best-checkpoint`."
     acc = metrics.get("eval/accuracy")
     if not run.c.save_best or acc is None: return
     acc = all_reduce_sum(acc) / run.world       # one decision on every process (a sharded model's save is a collective)
     so_far = [b["eval/accuracy"] for b in (run.state.get("best"), run.best_lost) if b]     # a lost best still counts
     if so_far and acc <= max(so_far): return
     previous, run.state["best"] = run.state.get("best"), {"step": step, "eval/accuracy": acc}
-    t = run.tools
-    if not (run.rank == 0 or is_sharded(t.model)): return
-    if save_checkpoint(run.out, step, t.model, t.optimizer, t.scheduler, run.c, run.state, name=BEST) is not None:
+    tools = run.tools
+    if not (run.rank == 0 or is_sharded(tools.model)): return
+    saved = save_checkpoint(run.out, step, tools.model, tools.optimizer, tools.scheduler, run.c, run.state, name=BEST)
+    if saved is not None:
         run.best_lost = None
     elif run.rank == 0: run.state["best"], run.best_lost = previous, dict(run.state["best"])     # (it warned why)
 
@@ -201,14 +211,16 @@ def best_not_written(run: Run) -> CheckpointSaveError:
     "The error that ends a `save_best` run whose best evaluation's best-checkpoint could not be written."
     lost, held = run.best_lost, run.state.get("best")
     return CheckpointSaveError(
-        f"save_best: {run.out / BEST} was not written for the best held-out evaluation (eval/accuracy {lost['eval/accuracy']:.3f} "
-        f"after step {lost['step']}; the warning above says why), "
-        + (f"it holds step {held['step']} (eval/accuracy {held['eval/accuracy']:.3f})" if held else "there is no best-checkpoint")
-        + f"; the final checkpoint is {latest_checkpoint(run.out)}: free space or remove what holds the name {BEST}, then train again")
+        f"save_best: {run.out / BEST} was not written for the best held-out evaluation (eval/accuracy "
+        f"{lost['eval/accuracy']:.3f} after step {lost['step']}; the warning above says why), "
+        + (f"it holds step {held['step']} (eval/accuracy {held['eval/accuracy']:.3f})" if held
+           else "there is no best-checkpoint")
+        + f"; the final checkpoint is {latest_checkpoint(run.out)}: free space or remove what holds the name {BEST}, "
+          "then train again")
 
 # %% ../nbs/44_trainer.ipynb #07ee395e
 def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = True) -> list:
-    "Steps `start + 1` to `c.steps` (or `stop_after`): `train_step`, then logging, evaluation and checkpoints; the logged rows."
+    "Steps `start + 1` to `c.steps` (or `stop_after`), each logged, evaluated and saved when due: the logged rows."
     c, tools, stop, out, rank, world = run.c, run.tools, run.stop, run.out, run.rank, run.world
     n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
     per_rank = n_prompts // world
@@ -217,8 +229,10 @@ def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = Tru
     step, stop.defer = start, True        # from here a first SIGINT/SIGTERM lets the step end and be saved
     try:
         for step in bar:
-            records = tasks_for_step(run.data.train_tasks, step, n_prompts, c.seed)[rank * per_rank:(rank + 1) * per_rank]
-            rng = rng_state() if world == 1 else None           # what a checkpoint of the last step holds, if this one is abandoned
+            step_tasks = tasks_for_step(run.data.train_tasks, step, n_prompts, c.seed)
+            records = step_tasks[rank * per_rank:(rank + 1) * per_rank]
+            # what a checkpoint of the last step holds, if this one is abandoned
+            rng = rng_state() if world == 1 else None
             try: result = train_step(c, tools, records, step_seed(c.seed, step) + rank, counter)
             except StepAbandoned: raise abandon_step(stop, c, tools, out, step, run.state, rng) from None
             done = step + 1
@@ -226,19 +240,21 @@ def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = Tru
             keep_if_best(run, done, metrics)
             rows.append({"step": done, **metrics})
             stopping = stop.requested()
-            if rank == 0 or is_sharded(tools.model): save_after_step(c, tools, out, done, run.state, skipped_update, stopping)
+            if rank == 0 or is_sharded(tools.model):
+                save_after_step(c, tools, out, done, run.state, skipped_update, stopping)
             if stopping: raise stop.stopped_after(done)
             if stop_after is not None and done >= stop_after: break
     except KeyboardInterrupt as e:           # e.g. raised by a reward function: say where the run can resume from
         if isinstance(e, TrainingInterrupted): raise
-        raise TrainingInterrupted(f"interrupted in step {step + 1}; {where_to_resume(latest_checkpoint(out))}") from None
+        where = where_to_resume(latest_checkpoint(out))
+        raise TrainingInterrupted(f"interrupted in step {step + 1}; {where}") from None
     finally:
         stop.defer = False; run.logger.close(); bar.close()
     return rows
 
 # %% ../nbs/44_trainer.ipynb #c510acce
 def eval_before_training(run: Run, start: int) -> dict:
-    "Log what skip_bad_rows dropped and evaluate the policy before its first step (a fresh run only): the metrics, or {}."
+    "Log what skip_bad_rows dropped and evaluate the policy before its first step (fresh runs): the metrics, or {}."
     c, data, rank = run.c, run.data, run.rank
     if c.skip_bad_rows and start == 0:         # what skip_bad_rows dropped, logged once
         run.logger.log({"data/skipped_rows": data.skipped, "data/eval_skipped_rows": data.eval_skipped}, 0)
@@ -265,8 +281,10 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     data, tools, first_metrics = set_up_run(c, model, tokenizer, rank, world, stop)
     start, state = 0, {"nonfinite_in_a_row": 0, "world_size": world}
     if checkpoint is not None: start, state = resume(checkpoint, tools, world, rank)
-    if c.save_best and checkpoint is not None: state["best"] = best_record(out)    # what best-checkpoint holds, not the old state
-    logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=start if checkpoint is not None else None, enabled=rank == 0)
+    # what best-checkpoint holds, not the old state
+    if c.save_best and checkpoint is not None: state["best"] = best_record(out)
+    resume_step = start if checkpoint is not None else None
+    logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=resume_step, enabled=rank == 0)
     evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer,
                                      progress=progress and rank == 0)
     run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
@@ -275,7 +293,8 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     eval_after = eval_after_training(run, stop_after)
     if run.best_lost: raise best_not_written(run)          # never report a best-checkpoint that is not there
     best = state.get("best") if c.save_best else None       # (a checkpoint of an earlier save_best run may carry one)
-    if best and rank == 0: print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
+    if best and rank == 0:
+        print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
     return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best)
 
 # %% ../nbs/44_trainer.ipynb #28d09f65
@@ -291,17 +310,19 @@ class RunData:
     eval_answers: list = None
 
 def load_run_data(c: GRPOConfig) -> RunData:
-    "Training and held-out tasks as the config says; a file task with no `eval_task` holds out a seeded split of its rows."
+    "Training and held-out tasks as the config says (a file with no `eval_task`: a seeded split of its rows held out)."
     if c.eval_size and same_file(c.task, c.eval_task):
-        raise ConfigError(f"eval_task={c.eval_task!r} is the file task={c.task!r} names, so every held-out row would be a training "
-                          f"row: leave eval_task out (the run then holds eval_size={c.eval_size} rows of it out) or name other data")
-    load_kw = dict(skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir, gold_timeout=c.reward_timeout, return_skipped=True)
-    train_tasks = task_source(c.task, seed=c.seed, **load_kw)
-    train_tasks, skipped = train_tasks if isinstance(train_tasks, tuple) else (train_tasks, 0)     # a stream skips nothing
+        raise ConfigError(f"eval_task={c.eval_task!r} is the file task={c.task!r} names, so every held-out row would "
+                          f"be a training row: leave eval_task out (the run then holds eval_size={c.eval_size} rows of "
+                          "it out) or name other data")
+    load_kw = dict(skip_bad_rows=c.skip_bad_rows, data_dir=c.data_dir, gold_timeout=c.reward_timeout,
+                   return_skipped=True)
+    loaded = task_source(c.task, seed=c.seed, **load_kw)
+    train_tasks, skipped = loaded if isinstance(loaded, tuple) else (loaded, 0)     # a stream skips nothing
     if c.eval_size and holds_out_rows(c.task, c.eval_task):      # a file has no test split: hold some of its rows out
         (train_tasks, eval_tasks), eval_skipped = split_held_out(train_tasks, c.eval_size, c.task), 0
-    else:
-        eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw) if c.eval_size else ([], 0)
+    elif c.eval_size: eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw)
+    else: eval_tasks, eval_skipped = [], 0
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
 
 def same_file(a: str, b: str) -> bool:
@@ -312,23 +333,24 @@ def same_file(a: str, b: str) -> bool:
     except OSError: return a.resolve() == b.resolve()
 
 def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
-    "Drop (skip_bad_rows) or refuse prompts longer than `max_prompt_length`, now that the tokenizer is here; build the held-out prompts."
-    train_tasks, n = fit_prompts(tokenizer, c, data.train_tasks, c.task)
-    eval_tasks, m = fit_prompts(tokenizer, c, data.eval_tasks, data.eval_source, "test")
-    return RunData(train_tasks, eval_tasks, data.eval_source, data.skipped + n, data.eval_skipped + m,
+    "Drop (skip_bad_rows) or refuse prompts longer than `max_prompt_length`, and build the held-out prompts."
+    train_tasks, dropped = fit_prompts(tokenizer, c, data.train_tasks, c.task)
+    eval_tasks, eval_dropped = fit_prompts(tokenizer, c, data.eval_tasks, data.eval_source, "test")
+    return RunData(train_tasks, eval_tasks, data.eval_source, data.skipped + dropped, data.eval_skipped + eval_dropped,
                    [build_prompt(tokenizer, c, t["question"], data.eval_source) for t in eval_tasks],
                    [t["answer"] for t in eval_tasks])
 
 # %% ../nbs/44_trainer.ipynb #68b4e1a3
 def make_backend(c: GRPOConfig, model, tokenizer):
-    "The run's sampler: the first speed-up's that serves `c` here (`40c_speedups`), else transformers' `generate`."
+    "The run's sampler: the first speed-up's that serves `c` here (`40b_speedups`), else transformers' `generate`."
     room = first_hook("cache_room")
     backend = first_answer("sampler", c, model, tokenizer, room)
     if backend is not None: return backend
     if c.generation_backend != "hf":
         raise ConfigError(f"generation_backend={c.generation_backend}: no installed speed-up serves it (the vLLM one "
                           "registers with the package: pip install -e . or pip install mmrgrpo)")
-    return HFBackend(model, tokenizer, max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt, cache_room=room)
+    return HFBackend(model, tokenizer, max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt,
+                     cache_room=room)
 
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
@@ -340,7 +362,8 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     embedder = load_embedder(c.embedding_model, trust_remote_code=c.trust_remote_code) if c.reweight != "none" else None
     reward_funcs = [functools.partial(f, reward_timeout=c.reward_timeout) if f in VERIFIED_REWARDS else f
                     for f in get_reward_funcs(c.reward_funcs, own_process=True)]
-    model = shard_policy(model, c)       # FSDP2 (in place) after the reference copy, before the optimizer takes the shards
+    # FSDP2 (in place) after the reference copy, before the optimizer takes the shards
+    model = shard_policy(model, c)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.learning_rate,
                                   weight_decay=c.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (c.warmup_steps + 1)))
@@ -351,20 +374,23 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
 
 # %% ../nbs/44_trainer.ipynb #471c197a
 def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: StopSignals) -> tuple:
-    "Data, model and the step's tools, checked to fit in memory, the precision line printed: (data, tools, first step's metrics)."
-    data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a model load
+    "Load the data, model and step's tools, check the memory, print the precision line: (data, tools, first metrics)."
+    data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a load
     if model is None: model, tokenizer = load_policy(c)
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)     # "auto" resolved, as load_policy did
+    # the run's dtypes, "auto" resolved as load_policy did
+    precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
     data = fit_run_data(tokenizer, c, data)
     speed = speed_settings(c, model, device)       # the speed-ups' settings, before the sampler copies the weights
     tools = build_step_tools(c, model, tokenizer)
-    copies = (tools.ref_model, tools.backend.model if getattr(tools.backend, "model", tools.model) is not tools.model else None)
-    check_step_memory(tools.model, c, world, copies, warn=rank == 0,     # before any step: refuse what cannot fit, warn what may not
-                      prompt_tokens=longest_prompt(tokenizer, c, data))
-    if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue    # (every process would have to abandon the same step)
-    sampler = getattr(tools.backend, "copy_dtype", None)
-    sampler = f"a merged copy in {str(sampler).removeprefix('torch.')}" if sampler is not None else "the policy"
+    sampler_model = getattr(tools.backend, "model", tools.model)
+    copies = (tools.ref_model, sampler_model if sampler_model is not tools.model else None)
+    # before any step: refuse what cannot fit, warn about what may not
+    check_step_memory(tools.model, c, world, copies, warn=rank == 0, prompt_tokens=longest_prompt(tokenizer, c, data))
+    # one process only: with several, every process would have to abandon the same step
+    if world == 1: tools.should_stop = tools.backend.should_stop = stop.overdue
+    copy_dtype = getattr(tools.backend, "copy_dtype", None)
+    sampler = f"a merged copy in {str(copy_dtype).removeprefix('torch.')}" if copy_dtype is not None else "the policy"
     if getattr(tools.backend, "sampler_note", None): sampler += f" ({tools.backend.sampler_note})"
     if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}"
                         + ("" if speedups() else "; no speed-ups installed (plain GRPO)"))
@@ -380,30 +406,32 @@ def speed_settings(c: GRPOConfig, model, device) -> dict:
 # %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:
     "(step, trainer state) from a verified checkpoint, its weights, optimizer, schedule and RNG states restored."
-    state = load_checkpoint(checkpoint, tools.model, tools.optimizer, tools.scheduler, verify=False)    # verified already
-    tools.backend.sync_weights(tools.model)          # the sampler (a merged copy, a vLLM engine) follows the restored weights
+    state = load_checkpoint(checkpoint, tools.model, tools.optimizer, tools.scheduler, verify=False)  # verified already
+    tools.backend.sync_weights(tools.model)          # the sampler (a merged copy, a vLLM engine) follows the weights
     saved_world = state.setdefault("world_size", 1)
     if saved_world != world:
-        raise ConfigError(f"{checkpoint} was written by a run on {saved_world} process(es) and this run has {world}: resume with "
-                          f"the same number (torchrun --nproc_per_node={saved_world}), because each process's share of the "
-                          "prompts and its sampling seed depend on it")
+        raise ConfigError(f"{checkpoint} was written by a run on {saved_world} process(es) and this run has {world}: "
+                          f"resume with the same number (torchrun --nproc_per_node={saved_world}), because each "
+                          "process's share of the prompts and its sampling seed depend on it")
     if rank == 0: print(f"Resuming from {checkpoint} (step {state['step']})")
     return state["step"], state
 
 def report_step(c: GRPOConfig, bar, done: int, metrics: dict, result: StepResult):
-    "The progress bar's numbers, a plain log line (readable in a log file, where a bar is not) and, now and then, a completions table."
+    "The progress bar's numbers, a plain log line and, now and then, a completions table."
     bar.set_postfix(reward=f"{metrics['reward']:.2f}", kl=f"{metrics['kl']:.3f}")
-    tqdm.write(f"step {done}/{c.steps} reward={metrics['reward']:.3f} acc={metrics.get('rewards/accuracy_reward', float('nan')):.3f} "
+    accuracy = metrics.get("rewards/accuracy_reward", float("nan"))
+    tqdm.write(f"step {done}/{c.steps} reward={metrics['reward']:.3f} acc={accuracy:.3f} "
                f"len={metrics['completion_length']:.1f} kl={metrics['kl']:.4f} loss={metrics['loss']:.4f} "
                f"step_time={metrics['time/step']:.1f}s"
                + (f" peak_mem={metrics['memory/peak'] / 1024:.1f}GB" if "memory/peak" in metrics else "")
-               + (f" (process {metrics['memory/process_peak'] / 1024:.1f}GB)" if "memory/process_peak" in metrics else ""))
+               + (f" (process {metrics['memory/process_peak'] / 1024:.1f}GB)"
+                  if "memory/process_peak" in metrics else ""))
     if c.log_completions_every and done % c.log_completions_every == 0:
         tqdm.write(completions_table(result.rollout, result.rewards, result.advantages))
 
 # %% ../nbs/44_trainer.ipynb #434bb7ae
 def eval_source(c: GRPOConfig) -> str:
-    "The held-out task source: `eval_task`, else the same source as `task` (its test split; arithmetic uses a disjoint seed)."
+    "The held-out task source: `eval_task`, else `task`'s own (its test split; arithmetic uses a disjoint seed)."
     return c.eval_task or c.task
 
 def build_prompt(tokenizer, c: GRPOConfig, question: str, task: str) -> str:
@@ -415,37 +443,41 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919) % (2**31)
 
 def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train") -> tuple:
-    "(the tasks whose prompts fit in `max_prompt_length` tokens, how many were dropped); a longer one is a DataError naming its row."
-    if not isinstance(tasks, list) or not tasks: return tasks, 0        # an endless arithmetic stream: short prompts by construction
+    "(the tasks whose prompts fit in `max_prompt_length` tokens, how many were dropped); a longer one is a DataError."
+    # an endless arithmetic stream: short prompts by construction
+    if not isinstance(tasks, list) or not tasks: return tasks, 0
     n_before = len(tasks)
     name = task if Path(task).suffix in READERS else f"{task} ({split})"
     tasks = short_questions(c, tasks, name)          # by characters first: a 200 MB question would abort the tokenizer
     prompts = [build_prompt(tokenizer, c, t["question"], task) for t in tasks]
     keep = check_prompt_lengths(tokenizer, prompts, c.max_prompt_length, source=name, skip_bad_rows=c.skip_bad_rows)
-    if not keep: raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
+    if not keep:
+        raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
     return [tasks[i] for i in keep], n_before - len(keep)
 
 def longest_prompt(tokenizer, c: GRPOConfig, data: RunData, n: int = 32) -> int:
-    "Tokens in the longest training prompt, for the memory estimate: of the `n` longest questions (a stream: its held-out prompts); 0 unknown."
+    "Tokens in the longest training prompt, for the memory estimate (0: unknown)."
     if isinstance(data.train_tasks, list) and data.train_tasks:
-        prompts = [build_prompt(tokenizer, c, t["question"], c.task) for t in sorted(data.train_tasks, key=lambda t: len(t["question"]))[-n:]]
+        longest_questions = sorted(data.train_tasks, key=lambda t: len(t["question"]))[-n:]
+        prompts = [build_prompt(tokenizer, c, t["question"], c.task) for t in longest_questions]
     else: prompts = data.eval_prompts or []
-    return max((len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]), default=0) if prompts else 0
+    if not prompts: return 0
+    return max((len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]), default=0)
 
 
 def short_questions(c: GRPOConfig, tasks: list, name: str) -> list:
-    "The tasks whose question has at most `MAX_CHARS_PER_TOKEN * max_prompt_length` characters; a longer one is a DataError naming its row (skip_bad_rows: dropped)."
+    "The tasks whose question is short enough, by its characters, for a prompt of `max_prompt_length` tokens."
     most = MAX_CHARS_PER_TOKEN * c.max_prompt_length
     long = [i for i, t in enumerate(tasks) if len(t["question"]) > most]
     if long and not c.skip_bad_rows:
-        raise DataError(f"{name} row {long[0] + 1}: the question has {len(tasks[long[0]]['question'])} characters, more than a prompt "
-                        f"of max_prompt_length={c.max_prompt_length} tokens holds (at most {most}); shorten it, or pass "
-                        "skip_bad_rows=True to drop it")
+        raise DataError(f"{name} row {long[0] + 1}: the question has {len(tasks[long[0]]['question'])} characters, "
+                        f"more than a prompt of max_prompt_length={c.max_prompt_length} tokens holds (at most {most}); "
+                        "shorten it, or pass skip_bad_rows=True to drop it")
     return [t for i, t in enumerate(tasks) if i not in set(long)]
 
 # %% ../nbs/44_trainer.ipynb #311b4517
 def plot_rewards(metrics_path, png_path, keys=("reward", "rewards/accuracy_reward", "reward_mmr"), best: dict = None):
-    "Save a PNG of the training reward curves (and held-out accuracy points) from a metrics.jsonl; `best` (a `TrainResult.best`) is starred."
+    "Save a PNG of the training reward curves and held-out accuracy in a metrics.jsonl, `best` starred."
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = read_metrics(metrics_path)

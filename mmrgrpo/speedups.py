@@ -59,16 +59,16 @@ def declared_entry_points(pyproject: str, group: str = ENTRY_POINTS) -> list:
     head = f'[project.entry-points."{group}"]'
     if head not in pyproject: return []
     section = pyproject.split(head, 1)[1].split("\n[", 1)[0]
-    lines = re.findall(r'^\s*([\w.-]+)\s*=\s*"([\w.:]+)"', section, re.M)
-    return [importlib.metadata.EntryPoint(name, value, group) for name, value in lines]
+    pairs = re.findall(r'^\s*([\w.-]+)\s*=\s*"([\w.:]+)"', section, re.M)
+    return [importlib.metadata.EntryPoint(name, value, group) for name, value in pairs]
 
 def entry_points(group: str = ENTRY_POINTS) -> list:
     "The installed entry points of `group`, and those the `pyproject.toml` of an uninstalled checkout declares."
-    found = {ep.value: ep for ep in importlib.metadata.entry_points(group=group)}
+    by_value = {ep.value: ep for ep in importlib.metadata.entry_points(group=group)}
     pyproject = Path(importlib.import_module("mmrgrpo").__file__).resolve().parents[1] / "pyproject.toml"
     if pyproject.is_file():
-        for ep in declared_entry_points(pyproject.read_text(encoding="utf-8"), group): found.setdefault(ep.value, ep)
-    return list(found.values())
+        for ep in declared_entry_points(pyproject.read_text(encoding="utf-8"), group): by_value.setdefault(ep.value, ep)
+    return list(by_value.values())
 
 def load_speedups(group: str = ENTRY_POINTS) -> tuple:
     "The `Speedup`s registered under the entry-point `group` (`entry_points`), lowest rank first."

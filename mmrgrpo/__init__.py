@@ -1,15 +1,16 @@
-"""GRPO for math reasoning, taught in notebooks: the names a user needs, imported on first use so `import mmrgrpo` is cheap.
+"""GRPO for math reasoning, taught in notebooks: the names a user needs, each imported on first use (a cheap import).
 
-`GRPOConfig`, `load_config` and `train` run a training; `evaluate` scores a model on held-out tasks; the reward functions
-have TRL's signature, `f(prompts, completions, **dataset_columns) -> list[float | None]`, so your own sits beside them."""
+`GRPOConfig`, `load_config` and `train` run a training; `evaluate` scores a model on held-out tasks; the reward
+functions have TRL's signature, `f(prompts, completions, **dataset_columns) -> list[float | None]`, so your own sits
+beside them."""
 __version__ = "0.1.0"
 
 import importlib as _importlib
 import logging as _logging
 
-# peft and sentence-transformers import bitsandbytes, which on CPUs with AVX512-BF16 logs that it could not fetch an optional
-# kernel from the hub ("pip install kernels"). Nothing a user can act on (the kernel is downloaded at run time, and runs are
-# offline), so that one message is dropped, before any of our modules can import them.
+# peft and sentence-transformers import bitsandbytes, which on CPUs with AVX512-BF16 logs that it could not fetch an
+# optional kernel from the hub ("pip install kernels"). Nothing a user can act on (the kernel is downloaded at run time,
+# and runs are offline), so that one message is dropped, before any of our modules can import them.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward"))
 
@@ -19,7 +20,8 @@ _PUBLIC = {                   # name -> the module that defines it
     "evaluate": "evaluate",
     "accuracy_reward": "rewards", "format_reward": "rewards", "cosine_reward": "rewards",
     "BUILTIN_REWARDS": "rewards", "get_reward_funcs": "rewards", "compute_rewards": "rewards",
-    "RewardFunctionError": "rewards", "has_own_time_limit": "rewards", "verify_batch": "rewards", "extract_boxed": "rewards",
+    "RewardFunctionError": "rewards", "has_own_time_limit": "rewards", "verify_batch": "rewards",
+    "extract_boxed": "rewards",
 }
 __all__ = list(_PUBLIC)
 

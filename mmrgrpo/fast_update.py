@@ -224,8 +224,8 @@ def fast_pass_stats(c, model):
     "Packed rows where this pass can take them, and the closed-form head (`fused_head`); None when neither applies."
     packed = c.pack_completions and shares_prompts(c) and packs_completions(model)
     if not (packed or c.fused_head): return None
-    return PassStats(packed_completion_stats if packed else completion_stats, fused_chunk_stats if c.fused_head else None,
-                     counted_lengths if packed else None)
+    return PassStats(stats=packed_completion_stats if packed else completion_stats,
+                     chunk_fn=fused_chunk_stats if c.fused_head else None, widths=counted_lengths if packed else None)
 
 SPEEDUP = Speedup("fast update", rank=50, set_up=keep_memory_set_up, tear_down=keep_memory_tear_down,
                   after_step=heap_after_step, pass_stats=fast_pass_stats)

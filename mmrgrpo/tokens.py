@@ -1,4 +1,4 @@
-"""GMTS step by step: score each token's gradient, keep each group's top fifth, zero the rest; run on the cached rollout.
+"""GMTS step by step on the cached rollout: score each token's gradient, keep each group's top fifth, zero the rest.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/tokens.html.md"""
 

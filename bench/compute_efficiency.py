@@ -174,9 +174,9 @@ def baseline_worker(args):
 
 def peft_casts(arm: str):
     "For the `peft input casts` arm: the update's passes without `lora_inputs_uncast`, so peft casts each LoRA input to fp32 and autocast back."
-    import mmrgrpo.step as st
+    import mmrgrpo.bf16_update as b16              # its speed-up's pass_context calls lora_inputs_uncast from there
     if "peft input casts" not in arm: return contextlib.nullcontext()
-    return mock.patch.object(st, "lora_inputs_uncast", lambda model: contextlib.nullcontext())
+    return mock.patch.object(b16, "lora_inputs_uncast", lambda model: contextlib.nullcontext())
 
 
 def profile_update(net, cfg, params: dict, init: dict, ro, adv, c) -> dict:

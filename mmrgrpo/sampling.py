@@ -151,6 +151,7 @@ class StepAbandoned(Exception):
     "A step given up before its update (the run was asked to stop and the step ran too long); nothing of it is kept."
 
 # %% ../nbs/15_sampling.ipynb #bf031fb1
+# over 60 lines: DecodeLoops is one class, its two loops sharing its tokenizing and its model calls
 class DecodeLoops:
     "How `HFBackend` tokenizes and decodes: with transformers' `generate` loop, or ours, where finished rows leave."
     def tokenize(self, prompts: list):
@@ -223,6 +224,7 @@ def prompt_rows(enc, num_generations: int, share_prompt: bool, device) -> tuple:
     return prefix_rows(enc.input_ids), prefix_rows(enc.attention_mask), g
 
 # %% ../nbs/15_sampling.ipynb #756c36a2
+# over 60 lines: HFBackend is one class (CopyBackend and FusedBackend subclass it), its methods sharing its state
 class HFBackend(DecodeLoops):
     "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
     copy_dtype = None      # the dtype of a merged sampling copy (`CopyBackend`); None: the policy itself

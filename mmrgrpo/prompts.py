@@ -1,4 +1,4 @@
-r"""A task's question as a chat prompt that asks for a `\boxed{}` answer, with worked examples before it, and a check that it fits.
+r"""A question as a chat prompt with worked examples and a `\boxed{}` request, a length check, SmolLM2's solve rates.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/prompts.html.md"""
 
@@ -27,7 +27,8 @@ def format_prompt(tokenizer,                            # any tokenizer with a c
     ask = lambda q: f"{q}\n{instruction}" if instruction else q
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     if not isinstance(question, str) or any(isinstance(s, (str, dict)) or len(s) != 2 for s in shots):
-        raise TypeError(f"question={question!r:.60}, shots={shots!r:.80}: a question is a string, shots a list of (question, answer) pairs")
+        raise TypeError(f"question={question!r:.60}, shots={shots!r:.80}: a question is a string, "
+                        "shots a list of (question, answer) pairs")
     for q, a in shots: messages += [{"role": "user", "content": ask(q)}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": ask(question)})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -35,9 +36,10 @@ def format_prompt(tokenizer,                            # any tokenizer with a c
 # %% ../nbs/14_prompts.ipynb #455fda46
 def check_prompt_lengths(tokenizer, prompts: list, max_prompt_length: int, source: str = "prompts",
                          skip_bad_rows: bool = False) -> list:
-    "Indices of the prompts that fit in `max_prompt_length` tokens; a longer one (row = its 1-based position) is a DataError."
+    "Indices of the prompts that fit in `max_prompt_length` tokens; a longer one is a `DataError`."
     if isinstance(prompts, str): raise TypeError(f"prompts={prompts!r:.60} is one string: pass a list of prompts")
-    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]] if len(prompts) else []
+    token_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if len(prompts) else []
+    lengths = [len(ids) for ids in token_ids]
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
     if too_long and not skip_bad_rows:
         i = too_long[0]

@@ -1,4 +1,4 @@
-"""What a run reads or calls but does not control, handled so it cannot hurt: YAML read strictly, values quoted short, files written without following links, user code called under a time limit.
+"""Untrusted input kept harmless: strict YAML, short quotes, safe file reads and writes, timed user code, exact rates.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/safety.html.md"""
 
@@ -18,12 +18,11 @@ from pathlib import Path
 import yaml
 
 # %% ../nbs/09_safety.ipynb #5bb8a684
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 2, 6, 80, 80
-
 def short_repr(value) -> str:
     "`repr(value)`, cut short at every level: a message stays one short line whatever the value."
-    return _REPR.repr(value)
+    cut = reprlib.Repr()
+    cut.maxlevel, cut.maxlist, cut.maxstring, cut.maxother = 2, 6, 80, 80
+    return cut.repr(value)
 
 def clip_text(s: str, limit: int = 80) -> str:
     "`s` on one line, cut to `limit` characters, for an error message."
@@ -31,7 +30,7 @@ def clip_text(s: str, limit: int = 80) -> str:
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 def slip_of(name: str, names, cutoff: float = 0.8):
-    "The one of `names` that `name` looks like a typing slip of (`difflib`'s similarity >= `cutoff`), or None; a name with a '/' (a hub id, owner/name) is no slip."
+    "The one of `names` that `name` looks like a typing slip of, or None (never for a hub id, owner/name)."
     near = [] if "/" in name else difflib.get_close_matches(name, list(names), n=1, cutoff=cutoff)
     return near[0] if near else None
 
@@ -39,14 +38,14 @@ def slip_of(name: str, names, cutoff: float = 0.8):
 class _UniqueKeyLoader(yaml.SafeLoader):
     "YAML's safe loader (plain values only), refusing a mapping that names a key twice."
     def construct_mapping(self, node, deep=False):
-        seen = {}
+        key_lines = {}                                    # key -> the line (from 0) that set it first
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             with contextlib.suppress(TypeError):          # an unhashable key: the safe loader says so itself
-                if key in seen:
-                    raise yaml.MarkedYAMLError(problem=f"duplicate key {short_repr(key)} (line {seen[key] + 1} sets it too): keep one",
-                                               problem_mark=key_node.start_mark)
-                seen[key] = key_node.start_mark.line
+                if key in key_lines:
+                    problem = f"duplicate key {short_repr(key)} (line {key_lines[key] + 1} sets it too): keep one"
+                    raise yaml.MarkedYAMLError(problem=problem, problem_mark=key_node.start_mark)
+                key_lines[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
     def construct_document(self, node):
@@ -59,33 +58,36 @@ class _TooBig(yaml.YAMLError):
     "A YAML document too large or too deep once its aliases are expanded."
 
 def _check_expanded(root):
-    "Refuse a node tree that, every alias expanded, holds over `MAX_YAML_VALUES` values or nests deeper than `MAX_YAML_DEPTH`."
-    seen = {}                                  # id(node) -> (values, depth): an alias shares its node, counted once
+    "Refuse a node tree that, its aliases expanded, holds too many values or nests too deep (the two limits above)."
+    sizes = {}                                 # id(node) -> (values, depth): an alias shares its node, counted once
     def walk(node):
-        if id(node) in seen: return seen[id(node)]
-        seen[id(node)] = (math.inf, math.inf)  # an alias to a node being walked: a loop, endless expanded
+        if id(node) in sizes: return sizes[id(node)]
+        sizes[id(node)] = (math.inf, math.inf)  # an alias to a node being walked: a loop, endless expanded
         kids = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
                node.value if isinstance(node, yaml.SequenceNode) else []
-        counts = [walk(k) for k in kids]
-        seen[id(node)] = (1 + sum(c[0] for c in counts), 1 + max((c[1] for c in counts), default=0))
-        return seen[id(node)]
+        kid_sizes = [walk(k) for k in kids]
+        sizes[id(node)] = (1 + sum(v for v, _ in kid_sizes), 1 + max((d for _, d in kid_sizes), default=0))
+        return sizes[id(node)]
     try: values, depth = walk(root)
     except RecursionError: values, depth = 0, math.inf
     if depth > MAX_YAML_DEPTH: raise _TooBig(f"values nested more than {MAX_YAML_DEPTH} levels deep")
-    if values > MAX_YAML_VALUES: raise _TooBig(f"more than {MAX_YAML_VALUES:,} values once its aliases (*name) are expanded")
+    if values > MAX_YAML_VALUES:
+        raise _TooBig(f"more than {MAX_YAML_VALUES:,} values once its aliases (*name) are expanded")
 
 def read_yaml(text: str, source: str, error=ValueError):
-    "The plain values in YAML `text`; `error` naming `source` and the line for a duplicate key, a Python tag, bad syntax, or a document too big or deep."
+    "The plain values in YAML `text`; for what YAML or a config refuses, an `error` naming `source` and the line."
     try: return yaml.load(text, Loader=_UniqueKeyLoader)
     except RecursionError:
-        raise error(f"{source} is nested too deep for YAML (over {MAX_YAML_DEPTH} levels): a config holds plain values") from None
+        raise error(f"{source} is nested too deep for YAML (over {MAX_YAML_DEPTH} levels): "
+                    "a config holds plain values") from None
     except _TooBig as e: raise error(f"{source} holds {e}: a config holds plain values, write them out") from None
     except yaml.constructor.ConstructorError as e:
         tag = (e.problem or "").partition("for the tag ")[2].replace("tag:yaml.org,2002:", "!!")
-        raise error(f"{source} line {e.problem_mark.line + 1}: the tag {tag or '?'} is not allowed: a config holds plain "
-                    "values (numbers, strings, lists, true/false), never Python objects") from None
+        raise error(f"{source} line {e.problem_mark.line + 1}: the tag {tag or '?'} is not allowed: "
+                    "a config holds plain values (numbers, strings, lists, true/false), never Python objects") from None
     except yaml.MarkedYAMLError as e:
-        if (e.problem or "").startswith("duplicate key"): raise error(f"{source} line {e.problem_mark.line + 1}: {e.problem}") from None
+        if (e.problem or "").startswith("duplicate key"):
+            raise error(f"{source} line {e.problem_mark.line + 1}: {e.problem}") from None
         where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
         raise error(f"{source} is not valid YAML ({e.problem}{where}): fix that line") from None
     except yaml.YAMLError as e: raise error(f"{source} is not valid YAML ({short_repr(str(e))})") from None
@@ -94,13 +96,14 @@ def read_yaml(text: str, source: str, error=ValueError):
 MAX_FILE_BYTES = 1 << 20       # a config, a manifest, a trainer state: a few kilobytes
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    for test, kind in kinds:
         if test(mode): return kind
     return "not a regular file"
 
 def read_file_bytes(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> bytes:
-    "The bytes of regular file `path` (a link is followed); `error` before reading for a device, pipe, folder or a file over `limit` bytes."
+    "The bytes of regular file `path` (a link is followed); an `error` for anything else, or a file over `limit` bytes."
     try: fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # a named pipe opens at once, and is refused below
     except OSError as e: raise error(f"{path} cannot be read ({e.strerror})") from None
     try:
@@ -109,19 +112,21 @@ def read_file_bytes(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -
         with os.fdopen(os.dup(fd), "rb") as f: data = f.read(limit + 1)
     finally: os.close(fd)
     if len(data) > limit:
-        raise error(f"{path} has {max(st.st_size, len(data)):,} bytes, over the {limit:,} such a file may have: name the right file")
+        raise error(f"{path} has {max(st.st_size, len(data)):,} bytes, over the {limit:,} such a file may have: "
+                    "name the right file")
     return data
 
 def read_utf8(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> str:
-    "The text of a regular file of at most `limit` bytes; `error` for one that cannot be read, is not a file, is larger, or is not UTF-8 (naming the byte and its line)."
+    "The text of a regular file of at most `limit` bytes; an `error` for any other file or one that is not UTF-8."
     data = read_file_bytes(path, error, limit)
     try: return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
-        raise error(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}): re-save it as UTF-8") from None
+        raise error(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}): "
+                    "re-save it as UTF-8") from None
 
 def read_json(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES):
-    "The value in JSON file `path`, read as `read_utf8` reads it; `error` for bad JSON or JSON nested too deep to read."
+    "The value in JSON file `path`, read as `read_utf8` reads it; an `error` for bad JSON or JSON nested too deep."
     text = read_utf8(path, error, limit)
     try: return json.loads(text)
     except RecursionError: raise error(f"{path} is nested too deep to read: it was altered") from None
@@ -129,9 +134,10 @@ def read_json(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES):
 
 # %% ../nbs/09_safety.ipynb #f7433ed2
 def replace_file(path, data):
-    "Write `data` (text or bytes) to `path` through a temporary file and a rename; a link at `path` (or the temporary name) is replaced, never followed."
+    "Write `data` (text or bytes) to `path` through a temporary file and a rename, never following a link."
     path = Path(path); tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError): os.unlink(tmp)       # a leftover, or a link planted there: the link goes
+    # a leftover, or a link planted there: the link goes
+    with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -143,7 +149,7 @@ def replace_file(path, data):
 
 # %% ../nbs/09_safety.ipynb #220434a7
 def call_with_timeout(func, kwargs: dict, timeout: float) -> tuple:
-    "(func(**kwargs), None), or (None, what it raised: any exception, SystemExit and KeyboardInterrupt too, or a TimeoutError after `timeout` s)."
+    "(func(**kwargs), None), or (None, what it raised, or a `TimeoutError` once `timeout` seconds have passed)."
     box = {}
     def call():
         try: box["out"] = func(**kwargs)
@@ -155,7 +161,7 @@ def call_with_timeout(func, kwargs: dict, timeout: float) -> tuple:
 
 # %% ../nbs/09_safety.ipynb #3c9dec69
 def exit_with_parent():
-    "In a helper process: exit as soon as the process that started it is gone (checked every second, in a daemon thread)."
+    "In a helper process: exit once the process that started it is gone (a daemon thread checks every second)."
     parent = os.getppid()
     def watch():
         while os.getppid() == parent: time.sleep(1.0)
@@ -164,9 +170,9 @@ def exit_with_parent():
 
 def _serve_calls(fd: int, target: str):
     "The body of a `NamedFunctionProcess`: import `target` ('module:function'), say 'ready', then answer pickled calls."
-    signal.signal(signal.SIGINT, signal.SIG_IGN)            # Ctrl-C is for the trainer, which stops us by closing the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is for the trainer, which stops us by closing the pipe
     exit_with_parent()
-    os.environ["MMRGRPO_FUNCTION_PROCESS"] = "1"            # code can tell that it runs here
+    os.environ["MMRGRPO_FUNCTION_PROCESS"] = "1"      # code can tell that it runs here
     conn = Connection(fd)
     module, _, attr = target.partition(":")
     try: func = getattr(importlib.import_module(module), attr)
@@ -181,11 +187,13 @@ def _serve_calls(fd: int, target: str):
         except BaseException as e: conn.send(("error", type(e).__name__, str(e)))
 
 # %% ../nbs/09_safety.ipynb #cec115a8
-_SERVE = "import sys; sys.path[:] = sys.argv[3:]; from mmrgrpo.safety import _serve_calls; _serve_calls(int(sys.argv[1]), sys.argv[2])"
-STARTUP_TIMEOUT_S = 120.0      # seconds a `NamedFunctionProcess` may take to import its module (not counted in a call's limit)
+_SERVE = ("import sys; sys.path[:] = sys.argv[3:]; from mmrgrpo.safety import _serve_calls; "
+          "_serve_calls(int(sys.argv[1]), sys.argv[2])")
+# seconds a `NamedFunctionProcess` may take to import its module (not counted in a call's limit)
+STARTUP_TIMEOUT_S = 120.0
 
 class NamedFunctionProcess:
-    "The function `target` ('module:function') called in a process of its own, which `call_within`'s time limit can kill; started at the first call, and again after a kill."
+    "The function `target` ('module:function') called in a process of its own, which a time limit can kill."
     def __init__(self, target: str, func):
         self.target, self.proc, self.conn = target, None, None
         self.__name__ = getattr(func, "__name__", target.partition(":")[2])
@@ -195,7 +203,8 @@ class NamedFunctionProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(theirs.fileno()), self.target, *sys.path],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
-        if not self.conn.poll(STARTUP_TIMEOUT_S): self.stop(); raise TimeoutError(f"took more than {STARTUP_TIMEOUT_S:g} s to import")
+        if not self.conn.poll(STARTUP_TIMEOUT_S):
+            self.stop(); raise TimeoutError(f"took more than {STARTUP_TIMEOUT_S:g} s to import")
         if (msg := self._receive()) != "ready": self.stop(); raise msg
 
     def _receive(self):
@@ -213,7 +222,7 @@ class NamedFunctionProcess:
         return code
 
     def call_within(self, kwargs: dict, timeout: float) -> tuple:
-        "(output, None) or (None, what went wrong: what it raised, its process's end, or a TimeoutError after `timeout` s, which kills it)."
+        "(output, None), or (None, what went wrong); a call still running after `timeout` seconds is killed."
         try:
             if self.proc is None: self._start()
             self.conn.send_bytes(pickle.dumps(kwargs))
@@ -229,23 +238,28 @@ class NamedFunctionProcess:
         return out
 
     def __del__(self):
+        # at the interpreter's exit, what `stop` needs may be gone: the process ends anyway
         try: self.stop()
-        except Exception: pass            # (at the interpreter's exit, what it needs may be gone: the process ends anyway)
+        except Exception: pass
 
 # %% ../nbs/09_safety.ipynb #ab77a78f
 def exact_rate(rate) -> Fraction:
     "A rate as the exact fraction its shortest decimal spelling means: `0.7` is 7/10, not the nearest binary float."
     if isinstance(rate, Fraction): return rate
-    short = getattr(getattr(rate, "dtype", None), "itemsize", 8) < 8       # a float32/16 scalar (numpy, torch): its own spelling
+    # a float32/16 scalar (numpy, torch): its own spelling
+    short = getattr(getattr(rate, "dtype", None), "itemsize", 8) < 8
     return Fraction(str(np.float32(float(rate))) if short else repr(float(rate))).limit_denominator(10**9)
 
 def _check_prune_rate(prune_rate) -> Fraction:
     try: number = not isinstance(prune_rate, (bool, str)) and math.isfinite(float(prune_rate))
     except (TypeError, ValueError, RuntimeError): number = False           # None, a list, a tensor of many
-    if not number: raise ValueError(f"prune_rate={prune_rate!r}: a number in [0, 1), the share of completions to prune (0 = no pruning)")
+    if not number:
+        raise ValueError(f"prune_rate={prune_rate!r}: a number in [0, 1), "
+                         "the share of completions to prune (0 = no pruning)")
     P = exact_rate(prune_rate)
     if not 0 <= P < 1:
-        raise ValueError(f"prune_rate={prune_rate}: the share of completions to prune must be in [0, 1) (0 = no pruning)")
+        raise ValueError(f"prune_rate={prune_rate}: the share of completions to prune must be in [0, 1) "
+                         "(0 = no pruning)")
     return P
 
 def pruned_count(n: int,      # completions the rate applies to (G, or B*G for batch scope)

@@ -1,4 +1,4 @@
-"""Each prompt G times in one batch: left padding, a shared prompt prefill, a KV cache, rows that leave the batch at end-of-sequence, and the masks the loss needs.
+"""Each prompt G times in one batch: a fast sampler, one shared prefill, rows that leave at their end, the loss's masks.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
@@ -27,7 +27,8 @@ class Rollout:
     completion_mask: torch.Tensor   # (N, T) 1 up to and including the first end-of-sequence token
     group_size: int                 # G as sampled; after batch-scope pruning groups differ in size: use `group_ids`
     group_ids: Optional[torch.Tensor] = None   # (N,) each row's group (prompt) id; None: row // group_size
-    sampler_logprobs: Optional[torch.Tensor] = None   # (N, T) the sampler's log-probs (vLLM, a merged sampling copy), 0 on padding; None: the learner sampled
+    # (N, T) the sampler's log-probs (vLLM, a merged sampling copy), 0 on padding; None: the learner sampled
+    sampler_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.group_ids is None: self.group_ids = torch.arange(len(self.completions)) // max(self.group_size, 1)
@@ -44,13 +45,15 @@ class Rollout:
         return self.completion_mask.all(-1)
 
     def select(self, keep: torch.Tensor) -> "Rollout":
-        "The rows where the boolean `keep` (N,) is set, padding trimmed; rows keep their group ids (`group_size`: the kept count when every group keeps the same, else 0)."
-        if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (len(self.completions),)):
-            raise TypeError(f"keep: a bool tensor of one entry per completion ({len(self.completions)}) is expected, not "
-                            f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}: e.g. advantages != 0")
+        "The rows where the boolean `keep` (N,) is set, padding trimmed, each row keeping its group id."
+        is_mask = isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (len(self.completions),)
+        if not is_mask:
+            found = f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}"
+            raise TypeError(f"keep: a bool tensor of one entry per completion ({len(self.completions)}) is expected, "
+                            f"not {found}: e.g. advantages != 0")
         idx = keep.nonzero().flatten().tolist()
-        ids = self.group_ids[keep.to(self.group_ids.device)]
-        sizes = torch.unique_consecutive(ids, return_counts=True)[1]
+        groups = self.group_ids[keep.to(self.group_ids.device)]
+        sizes = torch.unique_consecutive(groups, return_counts=True)[1]
         n_groups = int(torch.unique(self.group_ids).numel())
         uniform = len(sizes) == n_groups and bool((sizes == sizes[0]).all()) if len(sizes) else False
         p_mask, c_mask = self.prompt_mask[keep], self.completion_mask[keep]
@@ -58,9 +61,9 @@ class Rollout:
         p0 = int(p_mask.any(0).float().argmax()) if p_mask.numel() else 0
         t1 = max(int(c_mask.sum(-1).max()), 1) if c_mask.numel() else 1
         sampler = None if self.sampler_logprobs is None else self.sampler_logprobs[keep][:, :t1]
-        return Rollout([self.prompts[i] for i in idx], [self.completions[i] for i in idx], self.prompt_ids[keep][:, p0:],
-                       p_mask[:, p0:], self.completion_ids[keep][:, :t1], c_mask[:, :t1],
-                       int(sizes[0]) if uniform else 0, ids, sampler)
+        return Rollout([self.prompts[i] for i in idx], [self.completions[i] for i in idx],
+                       self.prompt_ids[keep][:, p0:], p_mask[:, p0:], self.completion_ids[keep][:, :t1], c_mask[:, :t1],
+                       int(sizes[0]) if uniform else 0, groups, sampler)
 
 # %% ../nbs/15_sampling.ipynb #4cf2c9d3
 def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
@@ -74,14 +77,14 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
 # %% ../nbs/15_sampling.ipynb #10b0a35e
 def stop_token_ids(model, tokenizer) -> list:
     "Token ids that end a completion: the tokenizer's EOS plus the generation config's."
-    ids = {tokenizer.eos_token_id}
-    g = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(g if isinstance(g, (list, tuple)) else [g])
-    return sorted(i for i in ids if i is not None)
+    stop_ids = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids |= set(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
+    return sorted(i for i in stop_ids if i is not None)
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    "What the trainer needs from a sampler: `generate(prompts, num_generations, max_new_tokens, ...) -> Rollout`, and `sync_weights(model)` after each update."
+    "What the trainer needs from a sampler: `generate`, which returns a `Rollout`, and `sync_weights` for each update."
     def generate(self, prompts: list, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, greedy: bool = False) -> Rollout: ...
     def sync_weights(self, model) -> None: ...
@@ -93,37 +96,41 @@ def last_step(cdf: torch.Tensor) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor,           # (N, V) next-token logits
                   temperature: float = 1.0,
-                  top_p: float = 1.0,              # nucleus: keep the smallest set of tokens whose probability reaches top_p
+                  top_p: float = 1.0,              # nucleus: the fewest likeliest tokens reaching probability top_p
                   generator: Optional[torch.Generator] = None,
-                  u: Optional[torch.Tensor] = None,  # (N, 1) float64 uniform draws in [0, 1) to use instead of fresh ones
+                  u: Optional[torch.Tensor] = None,  # (N, 1) float64 uniform draws in [0, 1), instead of fresh ones
                   block: int = 1024,               # tokens per block of the two-level search
                  ) -> torch.Tensor:                # (N,) sampled token ids
-    "One token per row from softmax(logits / temperature) (restricted to the top-p nucleus), by inverse-CDF sampling in two levels."
-    if not temperature > 0: raise ValueError(f"temperature={temperature}: must be > 0 (for the most likely token, decode greedily)")
-    if not 0 < top_p <= 1: raise ValueError(f"top_p={top_p}: the nucleus's probability must be in (0, 1]; 1 keeps every token")
+    "One token per row from softmax(logits / temperature), cut to the top-p nucleus, by inverse-CDF sampling."
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (for the most likely token, decode greedily)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: the nucleus's probability must be in (0, 1]; 1 keeps every token")
     z = logits.float()
-    p = torch.softmax(z if temperature == 1.0 else z / temperature, -1)
+    probs = torch.softmax(z if temperature == 1.0 else z / temperature, -1)
     if top_p < 1.0:
-        sp, order = p.sort(-1, descending=True)
-        drop = sp.double().cumsum(-1) - sp >= top_p          # tokens after the nucleus is already full
-        p = torch.zeros_like(p).scatter_(-1, order, sp.masked_fill(drop, 0.0))
-    N, V = p.shape
-    if u is None: u = torch.rand(N, 1, generator=generator, device=p.device, dtype=torch.float64)
-    blocks = torch.nn.functional.pad(p, (0, -V % block)).view(N, -1, block)       # (N, nb, block), zeros past the vocabulary
+        sorted_probs, order = probs.sort(-1, descending=True)
+        drop = sorted_probs.double().cumsum(-1) - sorted_probs >= top_p      # tokens after the nucleus is already full
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    N, V = probs.shape
+    if u is None: u = torch.rand(N, 1, generator=generator, device=probs.device, dtype=torch.float64)
+    # (N, nb, block): the probabilities in blocks of `block` tokens, zeros past the vocabulary
+    blocks = torch.nn.functional.pad(probs, (0, -V % block)).view(N, -1, block)
     cdf = blocks.sum(-1).double().cumsum(-1)                 # (N, nb) probability up to the end of each block
-    if not torch.isfinite(cdf[:, -1]).all():                 # a NaN or +inf logit, or a row of -inf: no distribution to draw from
-        raise ValueError(f"logits of row(s) {(~torch.isfinite(cdf[:, -1])).nonzero().flatten().tolist()[:8]} hold NaN or inf "
+    broken = ~torch.isfinite(cdf[:, -1])     # a NaN or +inf logit, or a row of -inf: no distribution to draw from
+    if broken.any():
+        raise ValueError(f"logits of row(s) {broken.nonzero().flatten().tolist()[:8]} hold NaN or inf "
                          "(or are all -inf): the model's numbers blew up; nothing can be sampled from them")
     target = u.to(cdf) * cdf[:, -1:]
-    b = torch.minimum(torch.searchsorted(cdf, target, right=True), last_step(cdf))    # (N, 1) the block the draw falls in
+    b = torch.minimum(torch.searchsorted(cdf, target, right=True), last_step(cdf))     # (N, 1) the draw's block
     rest = target - torch.where(b > 0, cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)
     inner = blocks.gather(1, b[:, :, None].expand(N, 1, block)).squeeze(1).double().cumsum(-1)   # (N, block)
-    i = torch.minimum(torch.searchsorted(inner, rest, right=True), last_step(inner))
-    return (b * block + i).squeeze(-1)
+    offset = torch.minimum(torch.searchsorted(inner, rest, right=True), last_step(inner))     # (N, 1) in the block
+    return (b * block + offset).squeeze(-1)
 
 # %% ../nbs/15_sampling.ipynb #42cf590b
 class InverseCDFSampler:
-    "A `generate` logits processor that samples (temperature, top-p) and returns one-hot scores for greedy decoding to pick."
+    "A `generate` logits processor that samples a token and returns scores that make greedy decoding pick it."
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0): self.temperature, self.top_p = temperature, top_p
     def __call__(self, input_ids, scores):
         tok = sample_tokens(scores, self.temperature, self.top_p)
@@ -144,8 +151,9 @@ class StepAbandoned(Exception):
     "A step given up before its update (the run was asked to stop and the step ran too long); nothing of it is kept."
 
 # %% ../nbs/15_sampling.ipynb #bf031fb1
+# over 60 lines: DecodeLoops is one class, its two loops sharing its tokenizing and its model calls
 class DecodeLoops:
-    "How `HFBackend` batches prompts and decodes: transformers' `generate` loop, or ours, where a finished row leaves the batch."
+    "How `HFBackend` tokenizes and decodes: with transformers' `generate` loop, or ours, where finished rows leave."
     def tokenize(self, prompts: list):
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         if enc.input_ids.shape[1] > self.max_prompt_length:
@@ -155,23 +163,25 @@ class DecodeLoops:
         return enc
 
     def transformers_decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy):
-        "(N, T) completion ids from transformers' `generate` loop (every row to the end), sampling exactly what the loss scores."
-        kw = dict(do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None, min_p=None, typical_p=None)
+        "(N, T) completion ids from transformers' `generate` loop, which decodes every row to the end."
+        kw = dict(do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None, min_p=None,
+                  typical_p=None)
         if not greedy: kw["logits_processor"] = LogitsProcessorList([InverseCDFSampler(temperature, top_p)])
         cache = self.prefill(enc, num_generations, max_new_tokens, p_ids.device)
-        if cache is not None: kw[cache_kwarg(self.model)] = cache    # generate then runs only each row's last prompt token
+        # with a cache, generate runs only each row's last prompt token
+        if cache is not None: kw[cache_kwarg(self.model)] = cache
         out = self.model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
                                   eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **kw)
         return out[:, p_ids.shape[1]:]
 
     def forward_step(self, ids, mask, pos, cache, max_new_tokens: int) -> tuple:
-        "Next-token logits (N, V) after each row's `ids`, and the KV cache holding them (made here when `cache` is None)."
+        "Next-token logits (N, V) after each row's `ids`, and the KV cache holding them (new when `cache` is None)."
         o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                        **({cache_kwarg(self.model): cache} if cache is not None else {}))
         return o.logits[:, -1], cache if cache is not None else self.room(output_cache(o), max_new_tokens)
 
     def decode(self, enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy, logprobs=None):
-        "(N, T) completion ids, right-padded with the pad token, from our loop: a row leaves the batch once it has ended; fills `logprobs` (N, T) if given."
+        "(N, T) completion ids, right-padded, from our loop, where a row leaves the batch once it has ended."
         N, P = p_ids.shape
         device = p_ids.device
         out = torch.full((N, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
@@ -183,20 +193,22 @@ class DecodeLoops:
         cache = self.prefill(enc, num_generations, max_new_tokens, device)
         ids = p_ids[:, -1:] if cache is not None else p_ids                 # (prompts of one token: no prefill)
         for t in range(max_new_tokens):
-            if self.should_stop is not None and self.should_stop(): raise StepAbandoned(f"generation stopped at token {t}")
+            if self.should_stop is not None and self.should_stop():
+                raise StepAbandoned(f"generation stopped at token {t}")
             logits, cache = self.forward_step(ids, mask[:, :P + t], pos, cache, max_new_tokens)
             if greedy: tok = logits.float().max(-1).indices      # (argmax is slower, on bf16 logits much slower)
             else:   # one draw per output row and step, finished or not, exactly as transformers' loop draws them
                 u = torch.rand(N, 1, device=device, dtype=torch.float64)
                 tok = sample_tokens(logits, temperature, top_p, u=u[rows])
             if logprobs is not None:    # the sampler's log-prob of each drawn token, at the temperature the loss uses
-                logprobs[rows[alive], t] = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tok[:, None])[alive, 0]
+                drawn = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tok[:, None])
+                logprobs[rows[alive], t] = drawn[alive, 0]
             out[rows[alive], t] = tok[alive]
             alive &= ~torch.isin(tok, eos)
             n_alive = int(alive.sum())
             if n_alive == 0: return out[:, :t + 1]
             if n_alive < len(rows) and len(rows) - n_alive >= self.compact_at * len(rows):
-                # drop the finished rows, KV cache included: the last live rows move into their places, the rest stay put
+                # drop the finished rows, KV cache included: the last live rows move into their places
                 keep = torch.arange(n_alive, device=device)
                 keep[~alive[:n_alive]] = alive[n_alive:].nonzero().squeeze(-1) + n_alive
                 cache.batch_select_indices(keep)
@@ -208,23 +220,26 @@ class DecodeLoops:
 def prompt_rows(enc, num_generations: int, share_prompt: bool, device) -> tuple:
     "The rows a prefill runs (every prompt but its last token) and how many completions share each row's cache."
     g = num_generations if share_prompt else 1           # unshared: every copy runs its own prompt
-    rows = lambda t: t[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
-    return rows(enc.input_ids), rows(enc.attention_mask), g
+    prefix_rows = lambda x: x[:, :-1].repeat_interleave(num_generations // g, 0).to(device)
+    return prefix_rows(enc.input_ids), prefix_rows(enc.attention_mask), g
 
 # %% ../nbs/15_sampling.ipynb #756c36a2
+# over 60 lines: HFBackend is one class (CopyBackend and FusedBackend subclass it), its methods sharing its state
 class HFBackend(DecodeLoops):
     "Sample with the policy: one batch per step, left padding, shared prompt prefill, KV cache, stop at EOS."
     copy_dtype = None      # the dtype of a merged sampling copy (`CopyBackend`); None: the policy itself
-    should_stop = None     # a function the decode loop asks between tokens; True: raise `StepAbandoned` (the trainer sets it)
+    # a function the decode loop asks between tokens; True: raise `StepAbandoned` (the trainer sets it)
+    should_stop = None
 
     def __init__(self, model, tokenizer, max_prompt_length: int = 512,
                  share_prompt: bool = True,    # prefill each distinct prompt once and repeat its KV cache G times
-                 drop_finished: bool = True,   # our decode loop, finished rows leave the batch; False: transformers' `generate`
-                 compact_at: float = 0.0,      # drop finished rows once they are this fraction of the batch (0: at each EOS)
-                 cache_room: Optional[Callable] = None,    # (cache, extra) -> the cache with room for `extra` more positions; None: it grows
-                 record_logprobs: bool = False):               # keep each drawn token's log-prob (`tis_cap` corrects with them)
+                 drop_finished: bool = True,   # our loop, where finished rows leave; False: transformers' `generate`
+                 compact_at: float = 0.0,      # drop finished rows once this share of rows has ended (0: at each EOS)
+                 cache_room: Optional[Callable] = None,  # (cache, extra) -> the cache with room for `extra` more
+                 record_logprobs: bool = False):         # keep each drawn token's log-prob (`tis_cap` uses them)
         self.tokenizer, self.max_prompt_length, self.share_prompt = tokenizer, max_prompt_length, share_prompt
-        self.drop_finished, self.compact_at, self.cache_room, self.record_logprobs = drop_finished, compact_at, cache_room, record_logprobs
+        self.drop_finished, self.compact_at = drop_finished, compact_at
+        self.cache_room, self.record_logprobs = cache_room, record_logprobs
         self.eos_ids = stop_token_ids(model, tokenizer)
         self.model = model                                  # the model sampled with
 
@@ -233,12 +248,14 @@ class HFBackend(DecodeLoops):
         if enc.input_ids.shape[1] < 2: return None
         ids, mask, g = prompt_rows(enc, num_generations, self.share_prompt, device)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        cache = output_cache(self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True))   # no head
+        body = self.model.get_decoder()         # the model without its output head
+        cache = output_cache(body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True))
         if g > 1: cache.batch_repeat_interleave(g)
         return self.room(cache, max_new_tokens + 1)
 
     @torch.no_grad()
-    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:
+    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0,
+                 greedy=False) -> Rollout:
         enc = self.tokenize(prompts)
         device = next(self.model.parameters()).device
         p_ids = enc.input_ids.repeat_interleave(num_generations, 0).to(device)
@@ -248,19 +265,20 @@ class HFBackend(DecodeLoops):
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                # a copy in another dtype is not quite the learner: its log-probs, for the importance correction (tis_cap)
+                # a copy in another dtype is not quite the learner: its log-probs, for the importance correction
                 record = self.record_logprobs and self.drop_finished and not greedy
                 lps = torch.zeros(len(p_ids), max_new_tokens, device=device) if record else None
-                if self.drop_finished: c_ids = self.decode(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy, lps)
-                else: c_ids = self.transformers_decode(enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy)
+                args = (enc, p_ids, p_mask, num_generations, max_new_tokens, temperature, top_p, greedy)
+                c_ids = self.decode(*args, lps) if self.drop_finished else self.transformers_decode(*args)
         finally:
             self.model.train(was_training)
         if c_ids.shape[1] == 0: c_ids = torch.full((len(p_ids), 1), self.eos_ids[0], device=device)
         c_mask = completion_mask(c_ids, self.eos_ids)
-        texts = self.tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * self.tokenizer.pad_token_id, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * self.tokenizer.pad_token_id,
+                                            skip_special_tokens=True)
         if lps is not None: lps = lps[:, :c_ids.shape[1]] * c_mask
-        return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask, num_generations,
-                       sampler_logprobs=lps)
+        return Rollout([p for p in prompts for _ in range(num_generations)], texts, p_ids, p_mask, c_ids, c_mask,
+                       num_generations, sampler_logprobs=lps)
 
     def room(self, cache, extra: int):
         "The cache, given room for `extra` more positions if the backend was built with a `cache_room`."

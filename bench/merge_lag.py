@@ -1,5 +1,5 @@
 """How much of a LoRA adapter's effect a bf16 sampling copy keeps, merged from the fp32 base or from a base stored in bf16
-(`34b_bf16_update`'s `bf16_frozen_base`), with and without the rounding remainder the bf16 base keeps.
+(`62b_bf16_update`'s `bf16_frozen_base`), with and without the rounding remainder the bf16 base keeps.
 
 A trained adapter (a checkpoint's `adapter/` folder, e.g. of `mmrgrpo demo`) is loaded into SmolLM2, scaled by 0.1, 0.3 and 1
 (0.1x is about the size of the first steps' adapter), and 32 completions of arithmetic prompts are scored by the fp32 learner

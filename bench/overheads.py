@@ -9,7 +9,7 @@ from the same initial LoRA weights and a fresh AdamW, so only the arm's setting 
 - `P=0 gmts`: the update with GMTS token selection (its `time/select` share of the update);
 - `P=0 no-share`: the update with `share_prompt=False` (each completion runs its own copy of the prompt);
 - `P=0 sdpa`, `P=0.75 sdpa`: the update with torch's fused attention kernel (`update_attention=sdpa`), against the arms above,
-  whose masked attention runs in plain matmuls where `update_attention=auto` takes it (34a_matmul_attention);
+  whose masked attention runs in plain matmuls where `update_attention=auto` takes it (62a_matmul_attention);
 - `P=0 mb=64`, `mb=32`, `mb=16`, `mb=8`: the update in micro-batches of that many completions (whole groups, so prompt
   sharing stays on), against the default (`micro_batch_size=0`: on a CPU, whole groups of about 1,024 completion positions in fp32, 1,536 in bf16,
   counted up to each row's last counted token when the completions are packed): time and the update's peak resident memory;
@@ -85,7 +85,7 @@ def main(argv=None):
     arms = {f"P={p:g}": dict(prune_rate=p) for p in P_RATES}
     arms["P=0 gmts"] = dict(token_selection="gmts")
     arms["P=0 no-share"] = dict(share_prompt=False)
-    arms.update({f"P={p:g} sdpa": dict(prune_rate=p, update_attention="sdpa") for p in (0.0, 0.75)})   # the fused kernel's attention (34a)
+    arms.update({f"P={p:g} sdpa": dict(prune_rate=p, update_attention="sdpa") for p in (0.0, 0.75)})   # the fused kernel's attention (62a_matmul_attention)
     widths = pass_stats(c, model).widths                  # what a pass holds of each row: its own length (packed), or T
     width = widths(ro.completion_mask).tolist() if widths else T
     groups = torch.arange(N) // c.num_generations

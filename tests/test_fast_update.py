@@ -1,4 +1,4 @@
-"""The update's speed settings (`34_fast_update`, `34b_bf16_update`) change how, not what, it computes: the closed-form head gives the checkpointed
+"""The update's speed settings (`62_fast_update`, `62b_bf16_update`) change how, not what, it computes: the closed-form head gives the checkpointed
 chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches follow the update's dtype, and a run
 records what it applied and the whole process's peak memory."""
 import copy, dataclasses, tempfile
@@ -204,7 +204,7 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     assert row["memory/process_peak"] >= row["memory/peak"] > 0
     assert res.eval_before["memory/eval"] > 0
     assert "fused decoder" in row["precision/sampler"]
-    assert row["update/attention"] == "matmul"         # bf16 autocast on a CPU (`34a_matmul_attention`)
+    assert row["update/attention"] == "matmul"         # bf16 autocast on a CPU (`62a_matmul_attention`)
 
 
 @pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}])
@@ -237,7 +237,7 @@ def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, pack
 
 @pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}, {"pack_completions": False}])
 def test_matmul_attention_gives_the_fused_kernels_update(tokenizer, monkeypatch, methods):
-    "`update_attention=matmul` (`34a_matmul_attention`) takes the packed passes' attention calls; loss and gradients are sdpa's to fp32 rounding."
+    "`update_attention=matmul` (`62a_matmul_attention`) takes the packed passes' attention calls; loss and gradients are sdpa's to fp32 rounding."
     import mmrgrpo.matmul_attention as ma
     calls = []
     real = ma.MatmulAttention.apply

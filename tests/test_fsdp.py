@@ -21,7 +21,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "
        "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 RUN = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0, save_every=1,
            log_completions_every=0, learning_rate=1e-3, beta=0.04, autocast_bf16=False, reward_funcs=["reward_fixtures:varied"],
-           reward_weights=None, steps=2, sampler_dtype="policy")   # a sharded policy has no merged sampling copy (31_sampler_copy): neither arm
+           reward_weights=None, steps=2, sampler_dtype="policy")   # a sharded policy has no merged sampling copy (61_sampler_copy): neither arm
 
 
 class WholeGradCapture:

@@ -1,4 +1,4 @@
-"""The fused decoder (`31a_fused_decode`): with an fp32 copy its greedy completions are transformers' `generate` token for token
+"""The fused decoder (`61a_fused_decode`): with an fp32 copy its greedy completions are transformers' `generate` token for token
 (Llama and Qwen2 layouts, LoRA adapters, left padding, one-token prompts, unshared prompts, after a weight sync), seeded
 sampling is reproducible, the sampler's log-probs are the copy's own, a bf16 copy stays close, and the trainer picks it (or
 refuses it) as the config says."""

@@ -80,7 +80,7 @@ def test_cap_settings(tmp_path):
 
 
 def test_a_merged_copy_records_its_own_logprobs(tmp_path):
-    "The hf backend on a merged copy (31_sampler_copy) records each drawn token's log-prob; an fp32 copy's are the learner's own."
+    "The hf backend on a merged copy (61_sampler_copy) records each drawn token's log-prob; an fp32 copy's are the learner's own."
     import dataclasses
     from mmrgrpo.sampling import HFBackend
     from mmrgrpo.sampler_copy import CopyBackend

@@ -63,7 +63,7 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
 
 
 def test_resume_refreshes_the_sampling_copy(tmp_path):
-    "The merged sampling copy (31_sampler_copy) is made before the checkpoint's weights are loaded: resume must refresh it."
+    "The merged sampling copy (61_sampler_copy) is made before the checkpoint's weights are loaded: resume must refresh it."
     kw = dict(sampler_dtype="float32", learning_rate=0.05, steps=3, reward_funcs=["reward_fixtures:varied"], reward_weights=None)
     full = train(_tiny(tmp_path / "full", **kw), progress=False)
     assert full.backend.copy_dtype == torch.float32 and full.backend.model is not full.model

@@ -6,10 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/speedups.html.md"""
 
 # %% auto #0
 __all__ = ['HOOKS', 'ENTRY_POINTS', 'PassStats', 'Speedup', 'is_speedup', 'by_rank', 'declared_entry_points', 'entry_points',
-           'load_speedups', 'speedups', 'use_speedups', 'hooks', 'first_hook', 'first_answer']
+           'load_speedups', 'installed_speedups', 'speedups', 'use_speedups', 'hooks', 'first_hook', 'first_answer']
 
 # %% ../nbs/40b_speedups.ipynb #b5c054eb
-import contextlib, importlib, importlib.metadata, re
+import contextlib, functools, importlib, importlib.metadata, re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -79,23 +79,24 @@ def load_speedups(group: str = ENTRY_POINTS) -> tuple:
         found.append(s)
     return by_rank(found)
 
-# Process-wide, as what it holds is: the speed-ups installed in this environment, read from the entry points once
-# (installed packages do not change while a process runs), or those `use_speedups` chose; None: not read yet.
-_IN_USE = None
+@functools.cache
+def installed_speedups() -> tuple:
+    "The installed speed-ups, read once per process (installed packages do not change while it runs)."
+    return load_speedups()
+
+# Process-wide, as what it stands for is: the sets of speed-ups `use_speedups` put in place, the innermost last.
+_CHOSEN = []
 
 def speedups() -> tuple:
-    "The speed-ups that runs in this process use: the installed ones, or those `use_speedups` chose."
-    global _IN_USE
-    if _IN_USE is None: _IN_USE = load_speedups()
-    return _IN_USE
+    "The speed-ups that runs in this process use: those `use_speedups` chose, else the installed ones."
+    return _CHOSEN[-1] if _CHOSEN else installed_speedups()
 
 @contextlib.contextmanager
 def use_speedups(chosen=()):
     "Runs use the speed-ups `chosen` (`()`: none, plain GRPO) instead of the installed ones while this is open."
-    global _IN_USE
-    before, _IN_USE = _IN_USE, by_rank(chosen)
+    _CHOSEN.append(by_rank(chosen))
     try: yield
-    finally: _IN_USE = before
+    finally: _CHOSEN.pop()
 
 # %% ../nbs/40b_speedups.ipynb #fdb4fd11
 def hooks(name: str) -> list:

@@ -1,4 +1,4 @@
-"""Atomic checkpoints, exact resume, a guarded run folder (longer than 300 lines because all their checks live here).
+"""Atomic checkpoints, an exact resume and a guarded run folder.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/checkpoints.html.md"""
 

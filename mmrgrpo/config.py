@@ -1,4 +1,4 @@
-"""Every knob in one dataclass, from YAML and overrides, errors naming fixes (longer than 300 lines because of checks).
+"""Every knob in one dataclass, read from YAML and overrides, with errors that name the fix.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/config.html.md"""
 

@@ -1,4 +1,4 @@
-"""Math tasks drawn by step, GSM8K and MATH-500 read, bad rows named (longer than 300 lines because of the row checks).
+"""Math tasks drawn by step, GSM8K and MATH-500 read, and bad rows named with the fix.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 

@@ -1,4 +1,4 @@
-"""A policy, its LoRA (4-bit too), reference and precision: longer than 300 lines because every hardware choice is here.
+"""A policy, its LoRA (4-bit too), the frozen reference, and the precision this hardware runs fastest.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 

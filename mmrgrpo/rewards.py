@@ -1,4 +1,4 @@
-"""math-verify under a time limit of our own, three rewards, their sum (longer than 300 lines because the pool is here).
+"""math-verify under a time limit of our own, three rewards and their sum, tried on a real GSM8K question.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 

@@ -1,4 +1,4 @@
-"""The phases of `19_one_step` as functions (longer than 300 lines because the update's passes are told one by one).
+"""The phases of `19_one_step` as functions, and the update told one pass at a time.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 

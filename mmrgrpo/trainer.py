@@ -1,4 +1,4 @@
-"""`19_one_step` in a loop, with evaluation, logs and checkpoints (longer than 300 lines because a run has many parts).
+"""`19_one_step` in a loop, with evaluation, logs and checkpoints.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 

@@ -1,4 +1,4 @@
-"""Appendix, run without vLLM: engine settings, refusals, Rollouts; longer than 300 lines because all vLLM code is here.
+"""Appendix: vLLM as the sampler on a GPU, shown here without vLLM: its engine settings, refusals and rollouts.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/vllm.html.md"""
 

@@ -67,9 +67,24 @@ def code_lines(path: Path) -> int:
     return sum(1 for l in path.read_text().splitlines() if l.strip() and not l.strip().startswith("#"))
 
 
-def test_no_module_over_300_lines_of_code_without_a_note():
+# The modules allowed past MAX_CODE_LINES, each with the reason (kept here, not in the module's one-line summary).
+LONG_MODULES = {
+    "config": "one dataclass of every field, and the checks that name each wrong value's fix",
+    "data": "two file formats, and a check with a named fix for each kind of bad row",
+    "models": "every hardware choice (dtype, LoRA, 4-bit, the reference, GGUF) in one place",
+    "rewards": "the verifier's worker pool lives beside the accuracy reward it runs",
+    "step": "the update told as its passes, each a small function",
+    "checkpoints": "every check of the run folder and of a resume beside the save it guards",
+    "trainer": "a run's parts: evaluation, logs, checkpoints, signals and several processes",
+    "vllm_backend": "all vLLM code in one appendix module, so nothing else imports vLLM",
+}
+
+
+def test_no_module_over_300_lines_of_code_without_a_reason():
     for p in sorted(PKG.glob("*.py")):
         if p.stem in GENERATED: continue
-        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
-        assert code_lines(p) <= MAX_CODE_LINES or "longer than 300 lines because" in doc, \
-            f"{p.name} has {code_lines(p)} lines of code: split it, or say at its top why not"
+        n = code_lines(p)
+        if p.stem in LONG_MODULES:
+            assert n > MAX_CODE_LINES, f"{p.name} has {n} lines of code: take it off LONG_MODULES"
+        else:
+            assert n <= MAX_CODE_LINES, f"{p.name} has {n} lines of code: split it, or add it to LONG_MODULES with why"

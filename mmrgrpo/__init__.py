@@ -17,7 +17,7 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 _PUBLIC = {                   # name -> the module that defines it
     "GRPOConfig": "config", "ConfigError": "config", "load_config": "config",
     "train": "trainer", "TrainResult": "trainer",
-    "evaluate": "evaluate",
+    "evaluate": "evaluation",
     "accuracy_reward": "rewards", "format_reward": "rewards", "cosine_reward": "rewards",
     "BUILTIN_REWARDS": "rewards", "get_reward_funcs": "rewards", "compute_rewards": "rewards",
     "RewardFunctionError": "rewards", "has_own_time_limit": "rewards", "verify_batch": "rewards",

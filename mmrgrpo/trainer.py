@@ -27,7 +27,7 @@ from .rewards import get_reward_funcs, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
 from .mmr import load_embedder
-from .evaluate import evaluate
+from .evaluation import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
 from .speedups import speedups, hooks, first_answer, first_hook

@@ -45,3 +45,18 @@ def test_the_readme_is_one_page_and_names_no_commit():
     assert not re.findall(r"`[0-9a-f]{7,40}`|commit [0-9a-f]{7}", readme)
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
     assert blocks[1] in (ROOT / ".ci" / "run").read_text() and "nbdev-test" in blocks[1]
+
+
+def test_evaluate_is_the_function_after_the_trainer_imports():
+    "The README calls `mmrgrpo.evaluate` after `mmrgrpo.train`; no submodule of that name may shadow the function."
+    r = run("import mmrgrpo; mmrgrpo.train; import mmrgrpo.trainer; "
+            "from mmrgrpo.evaluation import evaluate; assert mmrgrpo.evaluate is evaluate, mmrgrpo.evaluate")
+    assert r.returncode == 0, r.stderr
+
+
+def test_no_public_name_is_a_module():
+    "Every public name is a function, class or value, never a submodule that shadows it once imported."
+    r = run("import importlib, types, mmrgrpo; "
+            "[importlib.import_module('mmrgrpo.' + m) for m in set(mmrgrpo._PUBLIC.values())]; "
+            "print([n for n in mmrgrpo.__all__ if isinstance(getattr(mmrgrpo, n), types.ModuleType)])")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

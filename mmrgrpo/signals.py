@@ -1,4 +1,5 @@
-"""StopSignals built, then run in this process: a SIGTERM mid-step lets the step end and be saved; a second stops it.
+"""StopSignals built, then a tiny training loop in a subprocess stopped by SIGTERM: the step ends, checkpoint-2 is
+saved, exit code 143; a second SIGTERM stops at once.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/signals.html.md"""
 
@@ -16,34 +17,34 @@ from .checkpoints import TrainingInterrupted, latest_checkpoint, where_to_resume
 # %% ../nbs/43_signals.ipynb #5187febc
 # over 60 lines: StopSignals is one class, its handlers sharing its state
 STOP_GRACE_S = 20.0     # seconds a stop signal waits for the step in progress; then the step is abandoned (see below)
-STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, s))
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 def _say(text: str):
     "Write `text` to file descriptor 2 if it is still there (a lost terminal or a closed pipe is not an error here)."
     try: os.write(2, text.encode())
     except OSError: pass
 
-def _kept_ignored(s) -> bool:
+def _kept_ignored(sig) -> bool:
     "SIGHUP ignored when the run starts (`nohup`) stays ignored: the user asked the run to outlive the terminal."
-    return s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) is signal.SIG_IGN
+    return sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN
 
 class StopSignals:
     "SIGINT/SIGTERM/SIGHUP handlers and a guard on stdout/stderr for a run, put back on exit (main thread only)."
     def __init__(self, out: Path):
-        self.out, self.signum, self.defer, self.at, self.reason, self.signals = Path(out), None, False, None, None, 0
+        self.out, self.signum, self.defer, self.at, self.reason, self.n_signals = Path(out), None, False, None, None, 0
         self.old, self.streams = {}, {}        # the signal handlers and the output streams to put back on exit
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.old = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS if not _kept_ignored(s)}
+            self.old = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS if not _kept_ignored(sig)}
             self.streams = {n: getattr(sys, n) for n in ("stdout", "stderr")}
-            for n, s in self.streams.items(): setattr(sys, n, GuardedOutput(s, n, self.lost_output))
+            for n, stream in self.streams.items(): setattr(sys, n, GuardedOutput(stream, n, self.lost_output))
         return self
 
     def __exit__(self, *exc):
-        for s, h in self.old.items(): signal.signal(s, h)
-        for n, s in self.streams.items():
-            if isinstance(getattr(sys, n), GuardedOutput): setattr(sys, n, s)
+        for sig, handler in self.old.items(): signal.signal(sig, handler)
+        for n, stream in self.streams.items():
+            if isinstance(getattr(sys, n), GuardedOutput): setattr(sys, n, stream)
 
     def _ask(self, signum: int, reason: str) -> bool:
         "Record the first stop request (True), so the step in progress ends and is saved; False if one came already."
@@ -52,8 +53,8 @@ class StopSignals:
         return True
 
     def _handle(self, signum, frame):
-        name, self.signals = signal.Signals(signum).name, self.signals + 1
-        if self.defer and self.signals == 1:             # the first signal (a lost output before it does not count)
+        name, self.n_signals = signal.Signals(signum).name, self.n_signals + 1
+        if self.defer and self.n_signals == 1:           # the first signal (a lost output before it does not count)
             self._ask(signum, name)
             _say(f"\n{name}: finishing this step (given up after {STOP_GRACE_S:g} s, at the next token or "
                  f"micro-batch), then saving a checkpoint ({name} again stops at once)\n")
@@ -91,9 +92,9 @@ class StopSignals:
         "The exception that ends the run after `step`, raised once rank 0 has saved."
         all_reduce_sum(0.0)                                  # the other processes wait for rank 0's checkpoint
         ck = latest_checkpoint(self.out)
-        saved = (f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}"
+        where = (f"saved {ck} (resume_from=latest continues from it)" if ck and ck.name == f"checkpoint-{step}"
                  else where_to_resume(ck))
-        return TrainingInterrupted(f"{self.why()}: stopped after step {step}; {saved}", self.signum)
+        return TrainingInterrupted(f"{self.why()}: stopped after step {step}; {where}", self.signum)
 
 # %% ../nbs/43_signals.ipynb #9c51e638
 class GuardedOutput:

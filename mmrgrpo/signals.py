@@ -1,5 +1,4 @@
-"""StopSignals built, then a tiny training loop in a subprocess stopped by SIGTERM: the step ends, checkpoint-2 is
-saved, exit code 143; a second SIGTERM stops at once.
+"""`StopSignals` on a tiny run in a subprocess: SIGTERM lets the step end, saved as checkpoint-2, exit code 143.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/signals.html.md"""
 

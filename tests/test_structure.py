@@ -88,3 +88,11 @@ def test_no_module_over_300_lines_of_code_without_a_reason():
             assert n > MAX_CODE_LINES, f"{p.name} has {n} lines of code: take it off LONG_MODULES"
         else:
             assert n <= MAX_CODE_LINES, f"{p.name} has {n} lines of code: split it, or add it to LONG_MODULES with why"
+
+
+def test_every_module_summary_is_one_line():
+    "A module docstring of more than its summary and `Docs:` line makes `nbdev-export` rewrite `__init__.py`'s own."
+    for p in sorted(PKG.glob("*.py")):
+        if p.stem in GENERATED or p.stem == "__init__": continue
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        assert len(doc.strip().splitlines()) <= 3, f"{p.name}: its notebook's `> summary` spans several lines"

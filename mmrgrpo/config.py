@@ -132,8 +132,8 @@ class GRPOConfig:
     reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' "
                                                          "(MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")
     mmr_variant: Literal["credit", "reference"] = _f(
-        "credit", "MMR rule: 'credit' (default; credit moves only among above-mean answers, never to a wrong one) or "
-        "'reference'")
+        "credit", "MMR rule: 'credit' (default; credit moves only among above-mean completions, no advantage changes "
+        "sign) or 'reference'")
     mmr_lambda: Optional[float] = _f(
         None, "MMR trade-off in (0, 1]; None: adaptive sigmoid(std of the group's rewards)")
     mmr_first_pick: Literal["raw", "scaled"] = _f(
@@ -319,7 +319,8 @@ def _check_methods(c: GRPOConfig, need):
     need(c.num_iterations >= 1, f"num_iterations={c.num_iterations}: use at least 1")
     need(c.steps >= 0, f"steps={c.steps}: must be >= 0")
     need(c.beta_ >= 0, f"beta={c.beta}: must be >= 0")
-    need(c.eps_low >= 0 and c.eps_high_ >= 0, "eps_low and eps_high must be >= 0")
+    need(c.eps_low >= 0 and c.eps_high_ >= 0, f"eps_low={c.eps_low}, eps_high={c.eps_high_}: the clip range's widths "
+                                              "must be >= 0 (e.g. 0.2 and 0.28)")
     need(c.eps_low < 1, f"eps_low={c.eps_low}: must be below 1 (the ratio is clipped below at 1 - eps_low)")
     for idle, why in ((c.allocation and not c.prune_rate, "allocation=true does nothing with prune_rate=0: it samples "
                        "extra prompts only to refill what pruning drops"),

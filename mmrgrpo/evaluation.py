@@ -1,4 +1,4 @@
-"""Greedy accuracy and pass@1 over n samples on held-out tasks, before, during and after training.
+"""Greedy accuracy and pass@1 on held-out tasks, on the untrained SmolLM2; the trainer runs it before, during and after.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/evaluate.html.md"""
 

@@ -1,4 +1,4 @@
-"""math-verify under a time limit of our own, three rewards and their sum, tried on a real GSM8K question.
+"""math-verify and the format check on a real GSM8K question, rewards summed TRL's way, a time-limited verifier pool.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 

@@ -226,7 +226,9 @@ def load_checkpoint(ck: Path, model, optimizer, scheduler, verify: bool = True) 
                               "it was altered, or written by an older mmrgrpo") from None
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else ""
-        raise CheckpointError(f"checkpoint {ck} cannot be loaded ({type(e).__name__}: {first_line})") from e
+        raise CheckpointError(f"checkpoint {ck} cannot be loaded ({type(e).__name__}: {first_line}): it was written "
+                              "for another model or adapter setting, or altered; resume from another checkpoint "
+                              "or start a new run") from e
 
 # %% ../nbs/42_checkpoints.ipynb #6a358948
 # fields a resumed run may change: how long it runs, what it logs and saves, and how (not what) it computes
@@ -300,6 +302,18 @@ def clear_run(out):
         if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
         elif p.is_symlink() or p.exists(): p.unlink()
 
+def _cannot_create(out: Path, why: str, where) -> str:
+    "The message refusing an `output_dir` that cannot be created: `why`, an OS error's words, at the path `where`."
+    return f"output_dir={str(out)!r} cannot be created ({why}: {where}): choose another output_dir"
+
+def _make_output_dir(out: Path) -> list:
+    "Create `out` and its missing parents, and return the folders made, outermost first (`ConfigError`: it cannot)."
+    out = Path(os.path.abspath(out))
+    made = [d for d in (*reversed(out.parents), out) if not d.exists()]
+    try: out.mkdir(parents=True, exist_ok=True)
+    except OSError as e: raise ConfigError(_cannot_create(out, e.strerror, e.filename)) from None
+    return made
+
 def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
     "Ready `out` for run `c`, and return the checkpoint to resume from (None: a fresh run)."
     if c.resume_from and c.resume_from != "latest": check_resume_into(out, Path(c.resume_from))
@@ -312,7 +326,7 @@ def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
                               "or choose another output_dir")
         if rank == 0: clear_run(out); print(f"overwrite=true: removed the previous run's files from {out}")
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True); save_config(c, out / "config.yaml")
+        _make_output_dir(out); save_config(c, out / "config.yaml")
         # the temporary folders a killed run left half-written
         for tmp in out.glob(".tmp-checkpoint-*"): shutil.rmtree(tmp, ignore_errors=True)
     return ck
@@ -349,16 +363,19 @@ def _take_lock(lock_file: Path):
 @contextlib.contextmanager
 def output_dir_lock(out: Path, enabled: bool = True):
     "Hold `out` for one run: a second run there meanwhile is refused, naming the first."
-    lock_file, fd = Path(out) / LOCK, None
-    if enabled and os.name == "posix":
-        lock_file.parent.mkdir(parents=True, exist_ok=True)
-        if (fd := _take_lock(lock_file)) is not None:
-            os.ftruncate(fd, 0); os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
-    try: yield
+    lock_file, fd, made = Path(out) / LOCK, None, []
+    try:
+        if enabled and os.name == "posix":
+            made = _make_output_dir(lock_file.parent)
+            if (fd := _take_lock(lock_file)) is not None:
+                os.ftruncate(fd, 0); os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+        yield
     finally:
         if fd is not None:
             with contextlib.suppress(OSError): os.unlink(lock_file)
             os.close(fd)
+        for d in reversed(made):   # a run refused before it wrote anything leaves none of the folders the lock made
+            with contextlib.suppress(OSError): d.rmdir()             # (one that holds anything stays)
 
 # %% ../nbs/42_checkpoints.ipynb #95986dc1
 def refuse_link(name: str) -> str:
@@ -374,17 +391,18 @@ def _inside_checkpoint(out: Path):
     return None
 
 def check_output_dir(out: Path):
-    "Refuse, in one line, an `output_dir` that cannot hold a run."
+    "Refuse, in one line, an `output_dir` that cannot hold a run; it creates nothing (the run makes the folder)."
     out = Path(os.path.abspath(out))
     if out.exists() and not out.is_dir(): raise ConfigError(f"output_dir={str(out)!r} is a file: name a folder")
     if ck := _inside_checkpoint(out.resolve()):      # resolved: a link to a checkpoint is that checkpoint
         raise ConfigError(f"output_dir={str(out)!r} is inside the checkpoint {ck}: a run there would rewrite it; "
                           "choose a folder outside every checkpoint-<step> folder")
-    try: out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output_dir={str(out)!r} cannot be created ({e.strerror}: {e.filename}): "
-                          "choose another output_dir") from None
-    if not os.access(out, os.W_OK | os.X_OK):
+    if not out.exists():          # the nearest folder above that exists must take the new ones
+        above = next(d for d in out.parents if d.exists())
+        if not above.is_dir(): raise ConfigError(_cannot_create(out, os.strerror(errno.ENOTDIR), above))
+        if not os.access(above, os.W_OK | os.X_OK):
+            raise ConfigError(_cannot_create(out, os.strerror(errno.EACCES), above))
+    elif not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"output_dir={str(out)!r} is not writable: choose another output_dir")
     written = ([out / n for n in (*RUN_FILES, LOCK)] + list(out.glob("checkpoint-*"))
                + list(out.glob(".tmp-checkpoint-*")))

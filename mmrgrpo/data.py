@@ -209,6 +209,8 @@ def _next_rows(rows, want: Optional[int], stop_at_bad: bool, **record_kw) -> lis
         if want is not None and good >= want: break
     return out
 
+_SKIP_OR_FIX = "fix the row or pass skip_bad_rows=True"      # what a bad row's message ends with
+
 def _collect(rows, name, limit=None, skip_bad_rows=False, gold_timeout: float = 2.0, **record_kw):
     "The records of `(row, dict | _BadRow)` pairs whose gold answers parse, and how many bad rows were skipped."
     records, skipped, rows = [], 0, iter(rows)
@@ -220,13 +222,18 @@ def _collect(rows, name, limit=None, skip_bad_rows=False, gold_timeout: float = 
             if isinstance(got, dict) and (why := next(reasons)) is None:
                 records.append(got)
                 continue
-            problem = (got if isinstance(got, _BadRow)
-                       else f"gold answer {_clip(repr(got['answer']))} {why}; fix the row or pass skip_bad_rows=True")
-            if not skip_bad_rows: raise DataError(f"{name} row {row}: {problem}")
+            problem = (str(got) if isinstance(got, _BadRow)
+                       else f"gold answer {_clip(repr(got['answer']))} {why}; {_SKIP_OR_FIX}")
+            if not skip_bad_rows:        # every row problem ends with what to do
+                remedy = "" if "skip_bad_rows" in problem else f"; {_SKIP_OR_FIX}"
+                raise DataError(f"{name} row {row}: {problem}{remedy}")
             skipped += 1
             if skipped <= 3: _log.warning(f"skipping {name} row {row}: {problem}")
     if skipped: _log.warning(f"{name}: skipped {skipped} bad row(s), kept {len(records)}")
-    if not records: raise DataError(f"{name}: no usable rows" + (f" ({skipped} bad ones skipped)" if skipped else ""))
+    if not records:
+        if skipped: raise DataError(f"{name}: no usable rows ({skipped} bad ones skipped): fix the rows (the warnings "
+                                    "above name the first) or use other data")
+        raise DataError(f"{name}: no usable rows: use other data")
     return records, skipped
 
 # %% ../nbs/11_data.ipynb #76e5fe98

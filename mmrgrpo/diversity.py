@@ -78,7 +78,8 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
     if reference_options.get("scope", "group") != "group":
         raise ValueError("scope='batch' pools groups, which only the reference rule does: use variant='reference'")
     if unknown := set(reference_options) - {"first_pick", "scope", "tie_break"}:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}")
+        raise TypeError(f"unknown option(s) {sorted(unknown)}: the reference rule takes first_pick, scope and "
+                        "tie_break")
     if lam is not None and not 0 < lam <= 1:
         raise ValueError(f"lam={lam}: a fixed λ must lie in (0, 1], or None for adaptive")
     r = group_view(rewards.float(), group_size)                            # (B, G)

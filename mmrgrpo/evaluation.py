@@ -23,7 +23,9 @@ def evaluate(backend, prompts: list, answers: list,
              batch_size: int = 64,        # completions per generate call
              seed: int = 1234, progress: bool = False) -> dict:
     "Held-out metrics of `backend` on `prompts`: greedy accuracy, format, pass@1, completion length and time."
-    if len(prompts) != len(answers): raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    if len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers: "
+                         "pass one gold answer per prompt, in order")
     if not prompts: raise ValueError("no tasks to evaluate: pass at least one prompt and its answer")
     t0, out = time.perf_counter(), {}
     def run(n, greedy_):

@@ -96,13 +96,13 @@ class StaticCache:
 
     def batch_select_indices(self, indices: torch.Tensor):
         "Keep the rows `indices`, in that order, in place: only rows that change places are copied."
-        n, m = self.n, len(indices)
-        moved = (indices != torch.arange(m, device=indices.device)).nonzero().squeeze(-1)
+        n, n_kept = self.n, len(indices)
+        moved = (indices != torch.arange(n_kept, device=indices.device)).nonzero().squeeze(-1)
         if len(moved):
             src = indices[moved]
             self.k[:, moved, :, :n], self.v[:, moved, :, :n] = self.k[:, src, :, :n], self.v[:, src, :, :n]
             self.bias[moved] = self.bias[indices[moved]]
-        self.k, self.v, self.bias = self.k[:, :m], self.v[:, :m], self.bias[:m]
+        self.k, self.v, self.bias = self.k[:, :n_kept], self.v[:, :n_kept], self.bias[:n_kept]
 
 # %% ../nbs/61a_fused_decode.ipynb #8666a690
 def attention_dtype(dtype: torch.dtype, device="cpu") -> torch.dtype:
@@ -119,7 +119,7 @@ def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     n = int(lengths.min()) - 1
     if n <= 0: return 0
     P = prompt_ids.shape[1]
-    heads = torch.stack([prompt_ids[i, P - int(l):P - int(l) + n] for i, l in enumerate(lengths)])
+    heads = torch.stack([prompt_ids[i, P - int(length):P - int(length) + n] for i, length in enumerate(lengths)])
     same = (heads == heads[:1]).all(0)
     return n if bool(same.all()) else int(same.long().argmin())
 
@@ -161,9 +161,10 @@ class FusedWeights:
         "The weights the matmuls read, made again after every change of the model's weights."
         fold = can_pack(self.model.lm_head.weight)     # folding makes new weights: worth it only where packing is
         def after_norm(w, norm): return pack(w * norm) if fold else w
-        self.layers = [dict(l, qkv=after_norm(l["qkv"], l["norm1"]), gate_up=after_norm(l["gate_up"], l["norm2"]),
-                            o=pack(l["o"]), down=pack(l["down"]), norm1=None if fold else l["norm1"],
-                            norm2=None if fold else l["norm2"]) for l in self.plain]
+        self.layers = [dict(weights, qkv=after_norm(weights["qkv"], weights["norm1"]),
+                            gate_up=after_norm(weights["gate_up"], weights["norm2"]), o=pack(weights["o"]),
+                            down=pack(weights["down"]), norm1=None if fold else weights["norm1"],
+                            norm2=None if fold else weights["norm2"]) for weights in self.plain]
         norm = self.model.model.norm.weight
         self.head, self.norm = after_norm(self.model.lm_head.weight, norm), None if fold else norm
 
@@ -182,17 +183,18 @@ class FusedDecoder(FusedWeights):
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]                    # (B, S, 1, D): the same angles for every head
-        for j, l in enumerate(self.layers):
-            qkv = linear(rms_norm(x, l["norm1"], self.eps), l["qkv"], l["qkv_bias"]).view(B, S, H + 2 * Hkv, D)
+        for j, weights in enumerate(self.layers):                      # layer j's weights, as `prepare` made them
+            qkv = linear(rms_norm(x, weights["norm1"], self.eps), weights["qkv"], weights["qkv_bias"])
+            qkv = qkv.view(B, S, H + 2 * Hkv, D)
             qk = rotate(qkv[:, :, :H + Hkv], cos, sin)                   # queries and keys turned together
             cache.k[j, :, :, n:n + S] = qk[:, :, H:].transpose(1, 2)
             cache.v[j, :, :, n:n + S] = qkv[:, :, H + Hkv:].transpose(1, 2)
             q = qk[:, :, :H].transpose(1, 2).to(cache.k.dtype)           # (a no-op unless attention runs in fp32)
             o = F.scaled_dot_product_attention(q, cache.k[j, :, :, :n + S], cache.v[j, :, :, :n + S], attn_mask=bias,
                                                enable_gqa=H != Hkv)
-            x = x + linear(o.transpose(1, 2).reshape(B, S, H * D).to(x.dtype), l["o"], l["o_bias"])
-            gate, up = linear(rms_norm(x, l["norm2"], self.eps), l["gate_up"]).chunk(2, -1)
-            x = x + linear(F.silu(gate) * up, l["down"])
+            x = x + linear(o.transpose(1, 2).reshape(B, S, H * D).to(x.dtype), weights["o"], weights["o_bias"])
+            gate, up = linear(rms_norm(x, weights["norm2"], self.eps), weights["gate_up"]).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, weights["down"])
         cache.n = n + S
         return linear(rms_norm(x[:, -1], self.norm, self.eps), self.head) if logits else None
 

@@ -29,8 +29,8 @@ def per_token_loss(logp: torch.Tensor,                 # (N, T) current policy, 
                          f"{tuple(logp.shape)}: advantages are (N,) or (N, T), importance weights (N, T)")
     A = advantages[:, None] if advantages.dim() == 1 else advantages
     ratio = (logp - logp_old.detach()).exp()
-    unclipped, clipped = ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A
-    loss = -torch.minimum(unclipped, clipped)
+    surrogate, clipped_surrogate = ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A
+    loss = -torch.minimum(surrogate, clipped_surrogate)
     if is_weights is not None: loss = loss * is_weights.detach()  # the sampler's tokens reweighted; the KL term is not
     kl = torch.zeros_like(logp)
     if beta:
@@ -38,7 +38,7 @@ def per_token_loss(logp: torch.Tensor,                 # (N, T) current policy, 
         d = logp_ref.detach() - logp
         kl = d.exp() - d - 1
         loss = loss + beta * kl
-    return loss, (clipped < unclipped).detach(), kl.detach()
+    return loss, (clipped_surrogate < surrogate).detach(), kl.detach()
 
 # %% ../nbs/17_loss.ipynb #99bfeb51
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")

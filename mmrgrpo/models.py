@@ -49,7 +49,11 @@ def check_model_source(model_name: str, gguf_file: str = None):
     p = Path(model_name).expanduser()
     if gguf_file:
         if p.is_dir():
-            if not (p / gguf_file).exists(): raise ConfigError(f"gguf_file={gguf_file!r} is not in {p}")
+            if not (p / gguf_file).exists():
+                found = ", ".join(sorted(f.name for f in p.glob("*.gguf")))
+                fix = (f": name one of its .gguf files ({found}), or point model at the .gguf file" if found
+                       else ", which holds no .gguf file: point model at the .gguf file or the folder that holds it")
+                raise ConfigError(f"gguf_file={gguf_file!r} is not in {p}{fix}")
             check_gguf(p / gguf_file)
         elif _looks_like_path(model_name):
             raise ConfigError(f"model={model_name!r}: no such folder (gguf_file={gguf_file!r} is looked up inside it)")

@@ -209,10 +209,10 @@ class DecodeLoops:
             if n_alive == 0: return out[:, :t + 1]
             if n_alive < len(rows) and len(rows) - n_alive >= self.compact_at * len(rows):
                 # drop the finished rows, KV cache included: the last live rows move into their places
-                keep = torch.arange(n_alive, device=device)
-                keep[~alive[:n_alive]] = alive[n_alive:].nonzero().squeeze(-1) + n_alive
-                cache.batch_select_indices(keep)
-                rows, mask, pos, tok, alive = rows[keep], mask[keep], pos[keep], tok[keep], alive[keep]
+                new_order = torch.arange(n_alive, device=device)
+                new_order[~alive[:n_alive]] = alive[n_alive:].nonzero().squeeze(-1) + n_alive
+                cache.batch_select_indices(new_order)
+                rows, mask, pos, tok, alive = (x[new_order] for x in (rows, mask, pos, tok, alive))
             ids, pos = tok[:, None], pos + 1
         return out
 

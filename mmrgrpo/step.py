@@ -165,7 +165,7 @@ def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt
     parts["certain"] = parts["weights"] + parts["optimizer"] + n_rows * T * kv_row
     return {**parts, "rows": n_rows, "micro_batch_rows": mb, "bytes_per_activation": a}
 
-def _gib(n: int) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+def _gib(nbytes: int) -> str: return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True,
                       prompt_tokens: int = 0) -> dict:
@@ -341,19 +341,20 @@ def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, t
     with u.phases("update"):
         logp, entropy, log_sumsq = policy_stats(u.model, u.rollout, c, rows, u.with_sumsq and not u.score_first)
     u.forwarded(logp.shape[0])
-    old = logp.detach() if logp_old is None else logp_old[rows]
-    ref = None if logp_ref is None else logp_ref[rows]
+    logp_old_rows = logp.detach() if logp_old is None else logp_old[rows]
+    logp_ref_rows = None if logp_ref is None else logp_ref[rows]
     adv, row_mask = u.advantages[rows], mask.bool()
     carrying = row_mask                                     # the tokens trained on (token selection: the selected)
     if u.selecting:
         with u.phases("select"):
             if u.score_first: selected = token_keep[rows]
-            else: selected = choose_tokens(c, (logp, entropy, log_sumsq), old, ref, adv, mask, u.group_ids[rows])
+            else: selected = choose_tokens(c, (logp, entropy, log_sumsq), logp_old_rows, logp_ref_rows, adv, mask,
+                                           u.group_ids[rows])
             adv, carrying = mask_advantages(adv, selected), selected & row_mask
     with u.phases("update"):
-        is_weights = sampler_weights(u, rows, old, row_mask, first=iteration == 0)
-        loss_t, clipped, kl = per_token_loss(logp, old, adv, ref, beta=c.beta_, eps_low=c.eps_low, eps_high=c.eps_high_,
-                                             is_weights=is_weights)
+        is_weights = sampler_weights(u, rows, logp_old_rows, row_mask, first=iteration == 0)
+        loss_t, clipped, kl = per_token_loss(logp, logp_old_rows, adv, logp_ref_rows, beta=c.beta_, eps_low=c.eps_low,
+                                             eps_high=c.eps_high_, is_weights=is_weights)
         loss = aggregate_loss(loss_t, mask, c.loss_type, c.max_completion_length, u.n_seq, u.n_tok)
         (loss if u.scaler is None else u.scaler.scale(loss)).backward()
     u.sums["clipped"] += (clipped & carrying).sum().item(); u.sums["carrying"] += carrying.sum().item()

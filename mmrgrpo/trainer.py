@@ -288,14 +288,14 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer,
                                      progress=progress and rank == 0)
     run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
-    eval_before = eval_before_training(run, start)
+    metrics_before = eval_before_training(run, start)
     rows = run_steps(run, start, stop_after, progress)
-    eval_after = eval_after_training(run, stop_after)
+    metrics_after = eval_after_training(run, stop_after)
     if run.best_lost: raise best_not_written(run)          # never report a best-checkpoint that is not there
     best = state.get("best") if c.save_best else None       # (a checkpoint of an earlier save_best run may carry one)
     if best and rank == 0:
         print(f"best held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']}: {out / BEST}")
-    return TrainResult(out, rows, eval_before, eval_after, tools.model, tools.tokenizer, tools.backend, best)
+    return TrainResult(out, rows, metrics_before, metrics_after, tools.model, tools.tokenizer, tools.backend, best)
 
 # %% ../nbs/44_trainer.ipynb #28d09f65
 @dataclass

@@ -100,6 +100,20 @@ def test_resume_from_another_runs_checkpoint_into_a_used_folder_is_refused(tmp_p
     assert f"resume_from={str(ck)!r} is a checkpoint of the run in {tmp_path / 'A'}" in msg and "holds another run" in msg, msg
     with pytest.raises(CheckpointError):            # an empty folder may take it (this fake one then fails its checks)
         train(cfg(tmp_path / "C", resume_from=str(ck)), progress=False)
+    assert not (tmp_path / "C").exists(), "a refused run left the folder it was given"
+
+
+@pytest.mark.parametrize("refused_by", ["check_output_dir", "prepare_output_dir"])
+def test_a_refused_run_leaves_no_new_folder(refused_by, tmp_path, monkeypatch, no_model):
+    out = tmp_path / "new" / "run"
+    c = cfg(out, resume_from="latest" if refused_by == "prepare_output_dir" else None)
+    if refused_by == "check_output_dir":                     # (as root, a chmod'ed folder is still writable)
+        monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ConfigError) as e: train(c, progress=False)
+    says = {"check_output_dir": f"output_dir={str(out)!r} cannot be created (Permission denied: {tmp_path})",
+            "prepare_output_dir": f"resume_from='latest' but {out} holds no run to continue"}[refused_by]
+    assert says in str(e.value), str(e.value)
+    assert list(tmp_path.iterdir()) == [], "a refused run left a folder behind"
 
 
 # --- 4: SIGHUP is SIGTERM; a step that runs past the grace period after a signal is abandoned, and the last one saved

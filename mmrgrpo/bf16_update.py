@@ -1,4 +1,4 @@
-"""A frozen base stored in bf16, each adapter's input left as it comes, and micro-batches sized by the dtype.
+"""Speed appendix: a frozen base stored in bf16, each adapter's input as it comes, micro-batches sized by the dtype.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/bf16_update.html.md"""
 
@@ -37,7 +37,7 @@ def bf16_frozen_base(model) -> int:
         frozen = isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
         if frozen and m is not head and m.weight.dtype == torch.float32:
             w16 = m.weight.data.to(torch.bfloat16)
-            _ROUNDING[m] = (m.weight.data - w16.float()).to(torch.bfloat16)    # for a sampling copy's merge (31)
+            _ROUNDING[m] = (m.weight.data - w16.float()).to(torch.bfloat16)    # for 61_sampler_copy's merge
             m.weight.data = w16
             if m.bias is not None and not m.bias.requires_grad: m.bias.data = m.bias.data.to(torch.bfloat16)
             m.__class__ = BaseLinear16         # still a Linear to every isinstance check (peft, the sampling copy)

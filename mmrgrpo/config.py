@@ -347,6 +347,8 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
     need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with "
          "load_in_4bit=true: a 4-bit base cannot be copied with its adapter folded in; "
          "use sampler_dtype=auto or policy")
+    need(not (c.generation_backend == "vllm" and c.lora and c.lora_r > 512), f"lora_r={c.lora_r} with "
+         "generation_backend=vllm: vLLM serves LoRA ranks up to 512; use lora_r <= 512, or generation_backend=hf")
     fsdp = c.sharding == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     need(not (world_size > 1 and fsdp and c.sampler_dtype not in ("auto", "policy")),
          f"sampler_dtype={c.sampler_dtype} with FSDP2 sharding: a merged sampling copy needs the whole weights and "

@@ -1,4 +1,4 @@
-"""Freed memory kept for reuse, the output head's gradient in closed form, and each group's completions packed.
+"""Speed appendix: freed memory kept for reuse, the head's gradient in closed form, each group's completions packed.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/fast_update.html.md"""
 
@@ -58,7 +58,9 @@ class KeptHeap:
         return True
 
 # %% ../nbs/62_fast_update.ipynb #fcffc867
-_CASTS = WeakTensorKeyDictionary()      # a frozen weight -> (its version, its copy in another dtype)
+# a frozen weight -> (its version, its copy in another dtype). Module-level: the copy must outlive each pass (every
+# micro-batch and step reuses it), and a pass is handed only the weight; weak keys, so a dropped model's copies go too.
+_CASTS = WeakTensorKeyDictionary()
 
 def cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     "`weight` in `dtype`; for a weight that does not train, the cast is made once and kept until the weight changes."

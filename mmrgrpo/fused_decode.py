@@ -1,4 +1,4 @@
-"""The sampling copy's decode step with fused q/k/v and gate/up matmuls, packed bf16 weights and a static KV cache.
+"""Speed appendix: the sampling copy's decode step with fused matmuls, packed bf16 weights and a static KV cache.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/fused_decode.html.md"""
 

@@ -1,4 +1,4 @@
-"""Cache layers that write each new token into room reserved ahead, instead of copying the whole cache at every step.
+"""Speed appendix: cache layers that write each new token into room reserved ahead instead of copying the whole cache.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/kvcache.html.md"""
 

@@ -1,4 +1,4 @@
-"""The update's masked attention as two matmuls and a softmax, its probabilities kept for a faster backward on a CPU.
+"""Speed appendix: the update's masked attention as two matmuls and a softmax, its probabilities kept for the backward.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/matmul_attention.html.md"""
 

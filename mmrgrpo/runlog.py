@@ -149,10 +149,12 @@ def read_metrics(path) -> list:
     for i, l in numbered:
         try: rows.append(json.loads(l))
         except RecursionError:
-            raise ValueError(f"{path} line {i} is nested too deep to read: the file was altered") from None
+            raise ValueError(f"{path} line {i} is nested too deep to read: the file was altered; "
+                             "fix or remove that line") from None
         except json.JSONDecodeError as e:
             if i != numbered[-1][0]:
-                raise ValueError(f"{path} line {i} is not JSON ({e.msg}): the file was altered") from None
+                raise ValueError(f"{path} line {i} is not JSON ({e.msg}): the file was altered; "
+                                 "fix or remove that line") from None
             print(f"WARNING: {path}: skipped 1 line cut short (line {i}, the last; a run stopped while writing it)",
                   file=sys.stderr)
     return rows

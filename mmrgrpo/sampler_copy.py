@@ -1,4 +1,4 @@
-"""Sampling from a copy of the policy with its LoRA adapter folded in, in the dtype this machine multiplies fastest.
+"""Speed appendix: sampling from a copy of the policy with its LoRA adapter folded in, in the CPU's fastest dtype.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/sampler_copy.html.md"""
 

@@ -9,7 +9,7 @@ __all__ = ['HOOKS', 'ENTRY_POINTS', 'PassStats', 'Speedup', 'is_speedup', 'by_ra
            'load_speedups', 'installed_speedups', 'speedups', 'use_speedups', 'hooks', 'first_hook', 'first_answer']
 
 # %% ../nbs/40b_speedups.ipynb #b5c054eb
-import contextlib, functools, importlib, importlib.metadata, re
+import contextlib, contextvars, functools, importlib, importlib.metadata, re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -84,19 +84,21 @@ def installed_speedups() -> tuple:
     "The installed speed-ups, read once per process (installed packages do not change while it runs)."
     return load_speedups()
 
-# Process-wide, as what it stands for is: the sets of speed-ups `use_speedups` put in place, the innermost last.
-_CHOSEN = []
+# the sets of speed-ups the open `use_speedups` chose, innermost last: a context variable, so that each thread and
+# asyncio task has its own choice (the hooks are looked up deep inside a run, which is handed no reference to it)
+_CHOSEN = contextvars.ContextVar("mmrgrpo_speedups", default=())
 
 def speedups() -> tuple:
-    "The speed-ups that runs in this process use: those `use_speedups` chose, else the installed ones."
-    return _CHOSEN[-1] if _CHOSEN else installed_speedups()
+    "The speed-ups that runs in this context use: those `use_speedups` chose, else the installed ones."
+    chosen = _CHOSEN.get()
+    return chosen[-1] if chosen else installed_speedups()
 
 @contextlib.contextmanager
 def use_speedups(chosen=()):
     "Runs use the speed-ups `chosen` (`()`: none, plain GRPO) instead of the installed ones while this is open."
-    _CHOSEN.append(by_rank(chosen))
+    token = _CHOSEN.set((*_CHOSEN.get(), by_rank(chosen)))
     try: yield
-    finally: _CHOSEN.pop()
+    finally: _CHOSEN.reset(token)
 
 # %% ../nbs/40b_speedups.ipynb #fdb4fd11
 def hooks(name: str) -> list:

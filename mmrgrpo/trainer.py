@@ -8,8 +8,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 __all__ = ['StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval', 'train', 'save_after_step',
            'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'best_not_written', 'run_steps',
            'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'same_file', 'fit_run_data',
-           'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'resume', 'report_step', 'eval_source',
-           'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
+           'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'base_dtype', 'resume', 'report_step',
+           'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions',
+           'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, os, random, sys, time
@@ -400,8 +401,17 @@ def speed_settings(c: GRPOConfig, model, device) -> dict:
     "Every speed-up's `set_up` for this run, lowest rank first; with the frozen base's dtype, the first row's metrics."
     applied = {}
     for set_up in hooks("set_up"): applied.update(set_up(c, model, device))
-    base = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2} - {torch.float32}
-    return {"precision/base": str(min(base, key=str) if base else torch.float32).removeprefix("torch."), **applied}
+    return {"precision/base": base_dtype(model), **applied}
+
+def base_dtype(model) -> str:
+    "The frozen base's dtype for the precision line: its 2-D weights' (fp32 if none), or 4-bit and its compute dtype."
+    # bitsandbytes' 4-bit layers, and peft's wrappers of them (their weight, but no compute dtype of their own)
+    quantized = [m for m in model.modules() if hasattr(getattr(m, "weight", None), "quant_state")]
+    if quantized:
+        compute = {str(m.compute_dtype).removeprefix("torch.") for m in quantized if getattr(m, "compute_dtype", None)}
+        return "4-bit" + (f" ({', '.join(sorted(compute))} compute)" if compute else "")
+    base = {p.dtype for p in model.parameters() if not p.requires_grad and p.dim() == 2} - {torch.float32}
+    return str(min(base, key=str) if base else torch.float32).removeprefix("torch.")
 
 # %% ../nbs/44_trainer.ipynb #e49bf576
 def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:

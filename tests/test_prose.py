@@ -36,6 +36,7 @@ ELSEWHERE = {
     ("sampler_copy", "efe362ee"): "the generation benchmark at c1d5ab7 (generation.json as of 2996c64)",
     ("fused_decode", "66b4fc94"): "one decode step, from bench/results/decode_step.json",
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
+    ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
     ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS.md reports it",
 }
 # Markdown cells that also quote the outputs of a cell further away: (lesson, markdown cell id) -> code cell ids

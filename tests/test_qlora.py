@@ -83,7 +83,7 @@ def test_qlora_lora_gradients_equal_the_dequantized_model(tiny_folder, tokenizer
         assert (g4[n] - gd[n]).abs().max() / scale < 1e-4, (n, ((g4[n] - gd[n]).abs().max() / scale).item())
 
 
-def test_two_qlora_steps_on_the_cpu(tiny_folder, tmp_path):
+def test_two_qlora_steps_on_the_cpu(tiny_folder, tmp_path, capsys):
     "The whole loop with a 4-bit base: sampling, evaluation and two updates; a checkpoint at the end (bitsandbytes' CPU backend)."
     from mmrgrpo.trainer import read_metrics, train
     c = load_config(model=tiny_folder, load_in_4bit=True, steps=2, num_generations=4, prompts_per_step=2,
@@ -93,6 +93,9 @@ def test_two_qlora_steps_on_the_cpu(tiny_folder, tmp_path):
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
     assert (tmp_path / "checkpoint-2").exists() and "eval/accuracy" in res.eval_after
+    compute = str(res.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.compute_dtype)[6:]
+    assert f"; base 4-bit ({compute} compute);" in capsys.readouterr().out      # not the storage dtype, uint8
+    assert res.metrics[0]["precision/base"] == f"4-bit ({compute} compute)"
 
 
 def forward_grads(model, ids) -> dict:

@@ -168,6 +168,8 @@ BAD_CONFIGS = {   # change -> (what the message must name, what it must say to d
     "missing gguf folder": (dict(model="/no/such/dir", gguf_file="m.gguf"), "model='/no/such/dir'", "no such folder"),
     "model name slip": (dict(model="smolm2"), "model='smolm2'", "did you mean 'smollm2'?"),
     "eps_low >= 1": (dict(eps_low=1.5), "eps_low=1.5", "must be below 1"),
+    "vLLM LoRA rank": (dict(generation_backend="vllm", lora_r=1024), "lora_r=1024 with generation_backend=vllm",
+                       "use lora_r <= 512, or generation_backend=hf"),
     "unsupported GGUF": ("rwkv7", "architecture 'rwkv7'", "use a GGUF file of one of llama"),
     "unreadable GGUF": (b"GGUF but not really", "is not a readable GGUF file", "download it again"),
     # values that invert training or fail later with a raw error (issue 14, item 12)

@@ -6,6 +6,8 @@ projections, unmerged), the 8 arithmetic prompts of training step 0, G=8 complet
 temperature 1, the sampling seed of step 0. Arms (all `HFBackend.generate`, shared prompt prefill and reserved KV cache on):
 - `generate`: `drop_finished=False`, transformers' `generate` loop, what the trainer used before;
 - `decode`: our loop, a row leaves the batch (with its KV-cache rows) at its end-of-sequence token (the default, `compact_at=0`);
+- `decode/no-room`: our loop with transformers' own cache, which copies the whole cache at every step (no `reserve_cache`,
+  notebook 60_kvcache): what the reserved room buys;
 - `decode/quarter`: our loop, finished rows dropped only once they are >= 25% of the batch (`compact_at=0.25`);
 - `decode/keep`: our loop, rows never dropped (`compact_at=1`): the loop alone, without the row dropping;
 - `decode/copy-fp32`, `decode/copy-bf16`: our loop on a merged copy of the policy (`copy_dtype`, notebook 61_sampler_copy) in fp32 or bf16;
@@ -45,7 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
 
-ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/quarter": dict(compact_at=0.25),
+ARMS = {"generate": dict(drop_finished=False), "decode": dict(), "decode/no-room": dict(cache_room=None),
+        "decode/quarter": dict(compact_at=0.25),
         "decode/keep": dict(compact_at=1.0), "decode/copy-fp32": dict(copy_dtype="float32"),
         "decode/copy-bf16": dict(copy_dtype="bfloat16"), "decode/fused-fp32": dict(copy_dtype="float32", fused=True),
         "decode/fused-bf16": dict(copy_dtype="bfloat16", fused=True),
@@ -198,8 +201,8 @@ def main(argv=None):
             continue
         kw = backend_kwargs(arm)
         cls = FusedBackend if kw.pop("fused", False) else CopyBackend if "copy_dtype" in kw else HFBackend
-        backend = backends.get(arm) or backends.setdefault(arm, cls(model, tok, c.max_prompt_length, c.share_prompt,
-                                                                      cache_room=reserve_cache, **kw))
+        kw = {"cache_room": reserve_cache, **kw}
+        backend = backends.get(arm) or backends.setdefault(arm, cls(model, tok, c.max_prompt_length, c.share_prompt, **kw))
         rows_seen.clear()
         t0 = time.perf_counter()
         ro = backend.generate(prompts, c.num_generations, c.max_completion_length, c.temperature, c.top_p, seed=seed)

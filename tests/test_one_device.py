@@ -1,6 +1,7 @@
-"""Every tensor that meets the policy's outputs lives on the policy's device (issue 43). CI has no GPU, so the policy goes to
-a stand-in device (`tests/elsewhere.py`) where a CPU tensor meeting its outputs fails as it does on CUDA; the rollout, the
-rewards and the embeddings come back on the CPU, as vLLM, the reward functions and a CPU embedder hand them over."""
+"""Every tensor that meets the policy's outputs lives on the policy's device (issue 43). CI has no GPU, so the policy
+goes to a stand-in device (`tests/elsewhere.py`) where a CPU tensor meeting its outputs fails as it does on CUDA; the
+rollout, the rewards and the embeddings come back on the CPU, as vLLM, the reward functions and a CPU embedder hand
+them over."""
 import pytest, torch
 from elsewhere import AWAY, OneDevice, no_autocast_away, send_away
 from mmrgrpo.config import load_config
@@ -28,8 +29,10 @@ class _Sampler:
     def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0, greedy=False):
         g = torch.Generator().manual_seed(seed)
         N = len(prompts) * num_generations
-        p_ids = torch.randint(3, VOCAB, (N, 5), generator=g); p_mask = torch.ones(N, 5, dtype=torch.long); p_mask[:, :2] = 0
-        c_ids = torch.randint(3, VOCAB, (N, T), generator=g); c_mask = torch.ones(N, T, dtype=torch.long); c_mask[1, 3:] = 0
+        p_ids = torch.randint(3, VOCAB, (N, 5), generator=g)
+        p_mask = torch.ones(N, 5, dtype=torch.long); p_mask[:, :2] = 0
+        c_ids = torch.randint(3, VOCAB, (N, T), generator=g)
+        c_mask = torch.ones(N, T, dtype=torch.long); c_mask[1, 3:] = 0
         lp = -torch.rand(N, T, generator=g) * c_mask if self.logprobs else None
         texts = [f"the answer is {i % 3}" for i in range(N)]
         p_ids, p_mask, c_ids, c_mask = (t.to(self.device) for t in (p_ids, p_mask, c_ids, c_mask))
@@ -44,7 +47,8 @@ class _Embedder:
     "A sentence-transformers stand-in whose embeddings come back on `device`."
     def __init__(self, device): self.device = device
     def encode(self, texts, convert_to_tensor=True, **kw):
-        return torch.stack([torch.tensor([float(len(t)), float(t[-1].isdigit() and int(t[-1])), 1.0]) for t in texts]).to(self.device)
+        return torch.stack([torch.tensor([float(len(t)), float(t[-1].isdigit() and int(t[-1])), 1.0])
+                            for t in texts]).to(self.device)
 
 
 def _reward(completions, **kw): return [float(t.endswith("1")) + 0.1 * len(t) % 1 for t in completions]
@@ -66,7 +70,8 @@ COMBINATIONS = {
 }
 
 
-WHERE = {"cpu": ("cpu", "cpu"), "policy": (AWAY, AWAY), "mixed": (AWAY, "cpu")}    # (sampler's device, embedder's device)
+# (sampler's device, embedder's device)
+WHERE = {"cpu": ("cpu", "cpu"), "policy": (AWAY, AWAY), "mixed": (AWAY, "cpu")}
 
 
 @pytest.mark.parametrize("name", COMBINATIONS)
@@ -77,7 +82,8 @@ def test_a_step_keeps_to_the_policys_device(tmp_path, monkeypatch, name, where):
     sampler_device, embedder_device = WHERE[where]
     kw = COMBINATIONS[name]
     c = load_config(model="tiny-random", num_generations=G, prompts_per_step=B, max_completion_length=T, eval_size=0,
-                    autocast_bf16=False, sampler_dtype="float32", output_dir=str(tmp_path), lora_r=4, lora_alpha=8, **kw)
+                    autocast_bf16=False, sampler_dtype="float32", output_dir=str(tmp_path), lora_r=4, lora_alpha=8,
+                    **kw)
     no_autocast_away(monkeypatch)
     with OneDevice():
         model = send_away(add_lora(tiny_random_model(_Vocab()).float(), c))
@@ -85,8 +91,8 @@ def test_a_step_keeps_to_the_policys_device(tmp_path, monkeypatch, name, where):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         embedder = _Embedder(embedder_device) if c.reweight != "none" else None
-        tools = StepTools(model, _Tokenizer(), opt, sched, _Sampler(sampler_device, logprobs=c.tis_cap_ > 0), [_reward, _reward],
-                          embedder=embedder)
+        tools = StepTools(model, _Tokenizer(), opt, sched, _Sampler(sampler_device, logprobs=c.tis_cap_ > 0),
+                          [_reward, _reward], embedder=embedder)
         records = [{"question": f"q{i}", "answer": "1"} for i in range(B)]
         result = train_step(c, tools, records, seed=0)
     assert result.metrics["loss"] == result.metrics["loss"]          # a number: the step ran to its end

@@ -1,6 +1,6 @@
-"""Precision: one helper (`choose_dtype`) decides the weights' dtype and the update's autocast from the hardware, for the trainer,
-the models and the vLLM backend; CPU flags and CUDA capabilities are faked. Also: activation checkpointing is non-reentrant
-under QLoRA as under 16-bit weights, and no deprecated transformers names are called."""
+"""Precision: one helper (`choose_dtype`) decides the weights' dtype and the update's autocast from the hardware, for
+the trainer, the models and the vLLM backend; CPU flags and CUDA capabilities are faked. Also: activation checkpointing
+is non-reentrant under QLoRA as under 16-bit weights, and no deprecated transformers names are called."""
 import os, warnings
 from pathlib import Path
 import pytest, torch
@@ -14,17 +14,21 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 @pytest.fixture()
 def hardware(monkeypatch):
-    "Fake the CPU's flags and the GPU's compute capability: hardware(flags=..., capability=..., cuda=whether a GPU is visible)."
+    """Fake the CPU's flags and the GPU's compute capability:
+    hardware(flags=..., capability=..., cuda=whether a GPU is visible)."""
     def set_(flags=(), capability=(8, 0), cuda=False):
         monkeypatch.setattr(models, "cpu_support", lambda: cpu_with(flags))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)    # what a T4 answers: emulation counts
-        if cuda: monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # (bitsandbytes must be imported already)
+        # what a T4 answers: emulation counts
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+        if cuda:       # (bitsandbytes must be imported already)
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return set_
 
 
 @pytest.mark.parametrize("device,flags,capability,frozen_base,weights,ac", [
-    ("cpu", {"avx512f", "avx512_bf16"}, None, True, F32, BF16),     # weights stay fp32 on a CPU; bf16 autocast where it is fast
+    # weights stay fp32 on a CPU; bf16 autocast where it is fast
+    ("cpu", {"avx512f", "avx512_bf16"}, None, True, F32, BF16),
     ("cpu", {"amx_bf16", "amx_tile"}, None, False, F32, BF16),
     ("cpu", {"avx2", "avx512f"}, None, True, F32, None),             # no native bf16: fp32 throughout
     ("cuda", (), (7, 5), True, F16, F16),                            # T4: fp16, never bf16
@@ -112,7 +116,8 @@ def test_treated_as_avx2_the_onednn_bf16_ops_fail_as_there():
             "assert fd.attention_dtype(torch.bfloat16) == torch.float32\n"
             "try: torch.ops.mkldnn._reorder_linear_weight(w, 64)\n"
             "except RuntimeError as e: print('refused:', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MMRGRPO_CPU": "avx2"}, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MMRGRPO_CPU": "avx2"},
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused: _reorder_linear_weight: bf16 path needs the cpu support" in out.stdout
 
@@ -140,7 +145,8 @@ def test_auto_keeps_weights_fp32_on_a_cpu_even_with_bf16_hardware(hardware):
 def checkpointing(model):
     "(flags, checkpoint kwargs) of the decoder layers."
     layers = model.get_base_model().model.layers
-    return {l.gradient_checkpointing for l in layers}, [getattr(l, "_gradient_checkpointing_func").keywords for l in layers]
+    return ({l.gradient_checkpointing for l in layers},
+            [getattr(l, "_gradient_checkpointing_func").keywords for l in layers])
 
 
 @pytest.mark.parametrize("four_bit", [False, True])
@@ -149,14 +155,17 @@ def test_checkpointing_is_non_reentrant_with_and_without_4bit(monkeypatch, four_
     make = models.tiny_random_model
     def tiny(*a, **k):
         m = make(*a, **k)
-        if four_bit: m.is_loaded_in_4bit = True      # what from_pretrained sets on a bitsandbytes model: peft's kbit path
+        # what from_pretrained sets on a bitsandbytes model: peft's kbit path
+        if four_bit: m.is_loaded_in_4bit = True
         return m
     monkeypatch.setattr(models, "tiny_random_model", tiny)
-    c = load_config(model="tiny-random", lora_r=4, load_in_4bit=four_bit, gradient_checkpointing=True, autocast_bf16=False)
+    c = load_config(model="tiny-random", lora_r=4, load_in_4bit=four_bit, gradient_checkpointing=True,
+                    autocast_bf16=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, tok = load_policy(c)
-    deprecated = [str(w.message) for w in caught if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
+    deprecated = [str(w.message) for w in caught
+                  if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
     assert not deprecated, deprecated
     flags, kwargs = checkpointing(model)
     assert flags == {True} and all(k == {"use_reentrant": False} for k in kwargs)
@@ -171,27 +180,32 @@ def test_checkpointing_is_non_reentrant_with_and_without_4bit(monkeypatch, four_
                 if "lora_B" in n: p.fill_(0.01)
         m(ids).logits.float().logsumexp(-1).mean().backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+    assert grads[0].keys() == grads[1].keys() and all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6)
+                                                      for k in grads[0])
 
 
 # --- fp16 autocast (compute capability < 8.0) scales the loss; nothing else does
 
 def test_a_loss_scaler_only_for_fp16_autocast_on_cuda(hardware):
-    "choose_dtype picks fp16 autocast on a T4 (7.5): the update scales the loss there; bf16 GPUs, fp32 and CPUs take no scaler."
+    """choose_dtype picks fp16 autocast on a T4 (7.5): the update scales the loss there; bf16 GPUs, fp32 and CPUs take
+    no scaler."""
     from mmrgrpo.step import grad_scaler, needs_grad_scaler
     for capability, setting, expected in [((7, 5), "auto", True), ((8, 0), "auto", False), ((7, 5), False, False),
                                           ((7, 5), True, False)]:
         hardware((), capability)
-        assert needs_grad_scaler("cuda", choose_dtype("cuda", autocast=setting).autocast) is expected, (capability, setting)
+        assert needs_grad_scaler("cuda",
+                                 choose_dtype("cuda", autocast=setting).autocast) is expected, (capability, setting)
     for flags in ({"amx_bf16"}, set()):
         hardware(flags)
         assert not needs_grad_scaler("cpu", choose_dtype("cpu").autocast)
     opt, other = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1) for _ in range(2))
-    assert grad_scaler(opt, "cpu", BF16) is None and grad_scaler(opt, "cpu", None) is None and grad_scaler(opt, "cuda", BF16) is None
+    assert (grad_scaler(opt, "cpu", BF16) is None and grad_scaler(opt, "cpu", None) is None
+            and grad_scaler(opt, "cuda", BF16) is None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # on a machine without CUDA the scaler warns that it disables itself
         scaler = grad_scaler(opt, "cuda", F16)
-        assert scaler is not None and grad_scaler(opt, "cuda", F16) is scaler       # one per optimizer: the scale carries over
+        # one per optimizer: the scale carries over
+        assert scaler is not None and grad_scaler(opt, "cuda", F16) is scaler
         assert grad_scaler(other, "cuda", F16) is not scaler
 
 
@@ -234,8 +248,8 @@ def test_the_first_metrics_row_records_the_precision(tmp_path):
     "The dtypes the trainer prints are also in the log: strings in step 1's row, which read_metrics and the plot take."
     from mmrgrpo.runlog import read_metrics
     from mmrgrpo.trainer import plot_rewards, train
-    c = load_config(model="tiny-random", steps=2, num_generations=2, prompts_per_step=2, max_completion_length=4, eval_size=0,
-                    log_completions_every=0, save_every=0, lora_r=4, output_dir=str(tmp_path))
+    c = load_config(model="tiny-random", steps=2, num_generations=2, prompts_per_step=2, max_completion_length=4,
+                    eval_size=0, log_completions_every=0, save_every=0, lora_r=4, output_dir=str(tmp_path))
     train(c, progress=False)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -50,8 +50,10 @@ def test_never_prunes_more_than_asked():
         for P in (0.1, 0.25, 1 / 3, 0.5, 0.6, 0.7, 0.75, 0.875, 0.9, 0.99):
             d = pruned_count(n, P)
             assert d <= exact_rate(P) * n < d + 1 and 1 <= n - d
-    assert keep_mask(torch.tensor([0., 1, 0, 0]), 2, 0.75, scope="batch").tolist() == [False, True, False, False]  # floor(3)
-    assert keep_mask(torch.randn(4), 2, 0.9, scope="batch").sum() == 1                                              # floor(3.6)
+    # floor(3)
+    assert keep_mask(torch.tensor([0., 1, 0, 0]), 2, 0.75, scope="batch").tolist() == [False, True, False, False]
+    # floor(3.6)
+    assert keep_mask(torch.randn(4), 2, 0.9, scope="batch").sum() == 1
 
 
 @pytest.mark.parametrize("P", [1.0, 1.5, -0.1])
@@ -118,7 +120,8 @@ def test_prune_modes():
     r1 = keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(0))
     r2 = keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(0))
     assert torch.equal(r1, r2) and (group_view(r1, 4).sum(1) == 2).all()
-    seen = {tuple(keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(s)).tolist()) for s in range(20)}
+    seen = {tuple(keep_mask(adv, 4, 0.5, mode="random", generator=torch.Generator().manual_seed(s)).tolist())
+            for s in range(20)}
     assert len(seen) > 1
     with pytest.raises(ValueError, match="mode='smallest'"):
         keep_mask(adv, 4, 0.5, mode="smallest")

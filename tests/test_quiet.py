@@ -6,7 +6,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_importing_what_we_use_prints_nothing():
-    "sentence-transformers and peft import bitsandbytes, whose CPU backend may log a notice about an optional hub kernel."
+    """sentence-transformers and peft import bitsandbytes, whose CPU backend may log a notice about an optional hub
+    kernel."""
     code = "import mmrgrpo.trainer, mmrgrpo.mmr; import peft, sentence_transformers"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -20,4 +21,5 @@ def test_adding_lora_warns_nothing(tokenizer):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         add_lora(tiny_random_model(tokenizer), GRPOConfig())
-    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []      # shown to users by default
+    # shown to users by default
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []

@@ -1,7 +1,8 @@
-"""Tests for mmrgrpo.rewards and mmrgrpo.verifier_pool: the verifier's time limit, hostile completions, and reward-function checking.
+"""Tests for mmrgrpo.rewards and mmrgrpo.verifier_pool: the verifier's time limit, hostile completions, and
+reward-function checking.
 
-The `_score_fn` hooks below are imported by name inside the verifier processes, so this module keeps its top-level imports
-light (torch is imported inside the tests that need it)."""
+The `_score_fn` hooks below are imported by name inside the verifier processes, so this module keeps its top-level
+imports light (torch is imported inside the tests that need it)."""
 import functools, math, os, signal, subprocess, sys, threading, time
 from pathlib import Path
 
@@ -9,13 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mmrgrpo.rewards as V
-from mmrgrpo.rewards import (RewardFunctionError, compute_rewards, extract_boxed, format_reward, parse_gold, reward_counters,
-                             reward_name)
-from mmrgrpo.rewards import accuracy_reward, check_golds, cosine_reward, get_reward_funcs, shutdown_verifier, verify_batch
+from mmrgrpo.rewards import (RewardFunctionError, compute_rewards, extract_boxed, format_reward, parse_gold,
+                             reward_counters, reward_name)
+from mmrgrpo.rewards import (accuracy_reward, check_golds, cosine_reward, get_reward_funcs, shutdown_verifier,
+                             verify_batch)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{9^{9^{9^{9}}}}"                     # SymPy sets out to compute 9^(9^387420489): never finishes
-NESTED = "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}"   # math-verify's parser does not come back from this either
+# math-verify's parser does not come back from this either
+NESTED = "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}"
 
 
 # Hooks that replace the scorer inside the workers (they must be importable there, hence module level).
@@ -51,14 +54,16 @@ def _gone_within(pids, seconds: float) -> bool:
 
 # ---------------------------------------------------------------- gold answers and boxes
 
-@pytest.mark.parametrize("gold,value", [("42", 42), ("-3", -3), ("1,234", 1234), ("-1,000,000", -1000000), (" 7 ", 7), (7, 7)])
+@pytest.mark.parametrize("gold,value", [("42", 42), ("-3", -3), ("1,234", 1234), ("-1,000,000", -1000000), (" 7 ", 7),
+                                        (7, 7)])
 def test_parse_gold_numbers(gold, value):
     assert parse_gold(gold)[0] == value
 
 
 @pytest.mark.parametrize("gold", [True, False, None, [1, 2], {"a": 1}, float("nan"), float("inf")])
 def test_parse_gold_accepts_only_strings_and_numbers(gold):
-    "str(True) parses as the product E*r*t*u of four symbols; a list or dict as a set or worse. None of them is an answer."
+    """str(True) parses as the product E*r*t*u of four symbols; a list or dict as a set or worse. None of them is an
+    answer."""
     with pytest.raises(ValueError, match=r"is a \w+, not a string or a number|is not a finite number"): parse_gold(gold)
 
 
@@ -69,11 +74,13 @@ def test_a_gold_answer_that_is_no_answer_scores_nothing():
 
 
 def test_check_golds_bounds_time_and_messages():
-    "Gold answers are parsed in the verifier processes, under a time limit; what comes back is a short reason per answer."
+    """Gold answers are parsed in the verifier processes, under a time limit; what comes back is a short reason per
+    answer."""
     nested, huge = "{" * 5000 + "1" + "}" * 5000, "1" * 10**7       # minutes of parsing each, in the main process
     before = reward_counters()
     why = check_golds(["18", 0.5, True, [1], "\\boxed{}", nested, huge], timeout=0.5)
-    assert why[:5] == [None, None, "is a bool, not a string or a number", "is a list, not a string or a number", "cannot be parsed"]
+    assert why[:5] == [None, None, "is a bool, not a string or a number", "is a list, not a string or a number",
+                       "cannot be parsed"]
     assert all(w.startswith("took more than 0.5 s to parse") for w in why[5:]), why[5:]
     assert _delta(before) == {"timeouts": 0, "errors": 0}              # data checks are not reward metrics
     assert check_golds([]) == [] and verify_batch(["5"], ["\\boxed{5}"]) == [1.0]
@@ -236,7 +243,8 @@ def _run_child(code: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, **kw)
 
 
-CHILD = "import mmrgrpo.rewards as V; V.verify_batch(['1'], ['1']); print(*[w.proc.pid for w in V._POOL.workers], flush=True)"
+CHILD = ("import mmrgrpo.rewards as V; V.verify_batch(['1'], ['1']); "
+         "print(*[w.proc.pid for w in V._POOL.workers], flush=True)")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -249,7 +257,8 @@ def test_workers_stop_when_the_interpreter_exits():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_stop_when_the_trainer_is_killed():
-    "Idle workers see their pipe close; a busy one (stuck in `_sleepy`) notices its parent is gone within a second or two."
+    """Idle workers see their pipe close; a busy one (stuck in `_sleepy`) notices its parent is gone within a second or
+    two."""
     child = _run_child("import sys; sys.path.insert(0, 'tests'); import test_rewards as T; " + CHILD
                        + "; V.verify_batch(['1'], ['1'], timeout=100, _score_fn=T._sleepy)")
     pids = [int(p) for p in child.stdout.readline().split()]
@@ -278,7 +287,8 @@ def test_accuracy_reward_accepts_strings_and_messages():
 ])
 def test_format_reward(prompt, completion, expected):
     assert format_reward([prompt], [completion]) == [expected]
-    assert format_reward([[{"role": "user", "content": prompt}]], [[{"role": "assistant", "content": completion}]]) == [expected]
+    assert format_reward([[{"role": "user", "content": prompt}]],
+                         [[{"role": "assistant", "content": completion}]]) == [expected]
 
 
 def test_format_reward_hostile_inputs_are_fast():
@@ -287,8 +297,8 @@ def test_format_reward_hostile_inputs_are_fast():
     assert time.perf_counter() - start < 1.0
 
 
-FRAGMENTS = ["\\boxed{", "\\boxed", "{", "}", "\\{", "\\\\", "\\frac{1}{2}", "42", "-3", "1,234", "<think>", "</think>", "$",
-             "\\]", "\\(", " ", "\n", ".", "^", "x", "\\text{", "∞", "é", "\x00"]
+FRAGMENTS = ["\\boxed{", "\\boxed", "{", "}", "\\{", "\\\\", "\\frac{1}{2}", "42", "-3", "1,234", "<think>", "</think>",
+             "$", "\\]", "\\(", " ", "\n", ".", "^", "x", "\\text{", "∞", "é", "\x00"]
 hostile_text = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=8), max_size=40).map("".join)
 
 
@@ -334,14 +344,16 @@ def as_tensor(prompts, completions, **kw):
     (needs_column, "reward function 'needs_column' raised TypeError"),
 ])
 def test_compute_rewards_raises_naming_the_function(func, message):
-    with pytest.raises(RewardFunctionError) as e: compute_rewards([accuracy_reward, func], None, PROMPTS, COMPLETIONS, COLUMNS)
+    with pytest.raises(RewardFunctionError) as e:
+        compute_rewards([accuracy_reward, func], None, PROMPTS, COMPLETIONS, COLUMNS)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)
 
 
 def test_compute_rewards_weighted_total_and_metrics():
     import torch
-    total, m = compute_rewards([accuracy_reward, format_reward, half_none], [1.0, 0.5, 2.0], PROMPTS, COMPLETIONS, COLUMNS)
+    total, m = compute_rewards([accuracy_reward, format_reward, half_none], [1.0, 0.5, 2.0], PROMPTS, COMPLETIONS,
+                               COLUMNS)
     assert total.dtype == torch.float32 and total.shape == (3,)
     assert total.tolist() == [1.5, 2.5, 3.0]
     assert m["rewards/accuracy_reward"] == pytest.approx(2 / 3)
@@ -355,7 +367,8 @@ def test_compute_rewards_zero_on_error_counts():
     funcs = [nan_at_1, one_short, crashes, functools.partial(inf_at_2), as_tensor]
     total, m = compute_rewards(funcs, None, PROMPTS, COMPLETIONS, COLUMNS, on_error="zero")
     assert torch.allclose(total, torch.tensor([0.5 + 0.5 + 0.25, 0.0 + 1.0 + 0.25, 1.0 + 0.0 + 0.25]))
-    assert [m[f"rewards/{n}_errors"] for n in ["nan_at_1", "one_short", "crashes", "inf_at_2", "as_tensor"]] == [1, 3, 3, 1, 0]
+    assert [m[f"rewards/{n}_errors"]
+            for n in ["nan_at_1", "one_short", "crashes", "inf_at_2", "as_tensor"]] == [1, 3, 3, 1, 0]
     assert m["rewards/nan_at_1"] == pytest.approx(0.5)
 
 
@@ -383,8 +396,10 @@ def naps(prompts, completions, **kw): time.sleep(0.5); return [1.0] * len(comple
 
 
 def test_builtin_rewards_bound_their_own_time():
-    "Ours (`has_own_time_limit`) are called directly, with their own limits; any other function gets `timeout` s per completion."
-    _, m = compute_rewards([accuracy_reward, format_reward, cosine_reward], None, PROMPTS, COMPLETIONS, COLUMNS, timeout=1e-3)
+    """Ours (`has_own_time_limit`) are called directly, with their own limits; any other function gets `timeout` s per
+    completion."""
+    _, m = compute_rewards([accuracy_reward, format_reward, cosine_reward], None, PROMPTS, COMPLETIONS, COLUMNS,
+                           timeout=1e-3)
     assert m["rewards/accuracy_reward"] == pytest.approx(2 / 3) and m["rewards/timeouts"] == 0
     with pytest.raises(RewardFunctionError, match=r"'naps' took more than 0.003 s for 3 completions"):
         compute_rewards([naps], None, PROMPTS, COMPLETIONS, COLUMNS, timeout=1e-3)

@@ -1,6 +1,7 @@
-"""Trust in a run's folder, proven on the tiny random model: checkpoints hold only data and are checked against their checksums,
-a used folder is not silently reused, one run per folder at a time, a resume refuses config changes that alter the run,
-SIGINT/SIGTERM save before stopping, and metrics.jsonl stays strict JSON. nbs/50_reliability.ipynb tabulates them."""
+"""Trust in a run's folder, proven on the tiny random model: checkpoints hold only data and are checked against their
+checksums, a used folder is not silently reused, one run per folder at a time, a resume refuses config changes that
+alter the run, SIGINT/SIGTERM save before stopping, and metrics.jsonl stays strict JSON. nbs/50_reliability.ipynb
+tabulates them."""
 import json, os, shutil, signal, subprocess, sys, threading, time, warnings
 from pathlib import Path
 
@@ -12,12 +13,14 @@ from mmrgrpo.cli import main
 from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.sampling import HFBackend
 import mmrgrpo.checkpoints as K
-from mmrgrpo.checkpoints import CheckpointError, TrainingInterrupted, checkpoint_problem, latest_checkpoint, load_checkpoint
+from mmrgrpo.checkpoints import (CheckpointError, TrainingInterrupted, checkpoint_problem, latest_checkpoint,
+                                 load_checkpoint)
 from mmrgrpo.runlog import MetricsLogger, read_metrics
 from mmrgrpo.trainer import plot_rewards, train
 
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
+# reward_fixtures:<name> must import here and in children
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 
 BASE = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=8, eval_size=0,
             log_completions_every=0, save_every=1, learning_rate=1e-3, reward_funcs=["reward_fixtures:varied"],
@@ -67,7 +70,8 @@ def run(run3, tmp_path):
 
 
 def send_in_generate(monkeypatch, at: dict):
-    "Make the sampler send this process the signals `at[call]` when it is called for the call-th time (one call per step)."
+    """Make the sampler send this process the signals `at[call]` when it is called for the call-th time (one call per
+    step)."""
     real, calls = HFBackend.generate, []
     def generate(self, *a, **k):
         calls.append(1)
@@ -107,8 +111,9 @@ def test_a_fresh_run_refuses_a_used_folder_and_overwrite_replaces_it(run, capsys
     (run / "notes.txt").write_text("mine")
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError) as e: train(cfg(run, steps=1), progress=False)
-    assert str(e.value) == (f"output_dir={str(run)!r} holds a run (checkpoint-2, checkpoint-3, metrics.jsonl): continue it "
-                            "with resume_from=latest, replace it with overwrite=true, or choose another output_dir")
+    assert str(e.value) == (f"output_dir={str(run)!r} holds a run (checkpoint-2, checkpoint-3, metrics.jsonl): "
+                            "continue it with resume_from=latest, replace it with overwrite=true, "
+                            "or choose another output_dir")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before, "a refused run changed the folder"
     train(cfg(run, steps=1, overwrite=True), progress=False)
     assert "overwrite=true: removed the previous run's files" in capsys.readouterr().out
@@ -136,12 +141,14 @@ train(load_config(**json.loads(sys.argv[1])), progress=False)
 
 def test_a_second_run_in_the_same_folder_is_refused(tmp_path):
     out, started = tmp_path / "run", tmp_path / "started"
-    first = subprocess.Popen([sys.executable, "-c", BLOCKED, json.dumps({**BASE, "output_dir": str(out), "steps": 2}), str(started)],
+    first = subprocess.Popen([sys.executable, "-c", BLOCKED, json.dumps({**BASE, "output_dir": str(out), "steps": 2}),
+                              str(started)],
                              env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not started.exists() and first.poll() is None and time.monotonic() < deadline: time.sleep(0.1)
-        assert started.exists(), first.stderr.read()[-3000:] if first.poll() is not None else "the first run did not start"
+        assert started.exists(), (first.stderr.read()[-3000:] if first.poll() is not None
+                                  else "the first run did not start")
         with pytest.raises(ConfigError) as e: train(cfg(out, steps=1), progress=False)
         assert f"output_dir={str(out)!r} is in use by another run (process {first.pid} on " in str(e.value)
     finally:
@@ -151,22 +158,27 @@ def test_a_second_run_in_the_same_folder_is_refused(tmp_path):
     assert not (out / K.LOCK).exists()
 
 
-# --- 6: a resume compares configs: changes that alter the run are refused, schedule and logging changes are allowed and logged
+# --- 6: a resume compares configs: changes that alter the run are refused, schedule and logging changes are allowed and
+# logged
 
 
 REFUSED = {"learning rate": dict(learning_rate=1e-2), "G": dict(num_generations=2), "batch": dict(prompts_per_step=4),
-           "loss": dict(loss_type="dr_grpo"), "method": dict(mmr=True), "seed": dict(seed=5), "model": dict(model="smollm2")}
+           "loss": dict(loss_type="dr_grpo"), "method": dict(mmr=True), "seed": dict(seed=5),
+           "model": dict(model="smollm2")}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_resume_refuses_a_config_change_that_alters_the_run(case, run, no_model):
     (key, value), = REFUSED[case].items()
     config_before = (run / "config.yaml").read_text()
-    with pytest.raises(ConfigError) as e: train(cfg(run, steps=4, resume_from="latest", **REFUSED[case]), progress=False)
+    with pytest.raises(ConfigError) as e:
+        train(cfg(run, steps=4, resume_from="latest", **REFUSED[case]), progress=False)
     was, now = str(e.value).split("; this config has ")        # a switch may move a derived field too (mmr -> reweight)
-    assert was.startswith(f"resume_from='latest': {run / 'checkpoint-3'} was trained with ") and f"{key}={getattr(cfg(run), key)!r}" in was
-    assert f"{key}={value!r}" in now and now.endswith(". These change what the run is: resume with the checkpoint's values, "
-                                                      "or start a new run (overwrite=true or another output_dir)")
+    assert (was.startswith(f"resume_from='latest': {run / 'checkpoint-3'} was trained with ")
+            and f"{key}={getattr(cfg(run), key)!r}" in was)
+    assert f"{key}={value!r}" in now and now.endswith(
+        ". These change what the run is: resume with the checkpoint's values, "
+        "or start a new run (overwrite=true or another output_dir)")
     assert (run / "config.yaml").read_text() == config_before
 
 
@@ -236,8 +248,10 @@ def test_an_unreadable_checkpoint_file_is_an_error_naming_it(run):
 
 
 def test_an_earlier_checkpoint_continues_only_in_an_empty_folder(run, tmp_path):
-    "In its own folder the new steps would be rotated away first (checkpoint-3 is newer) and a crash would resume the old branch."
-    with pytest.raises(ConfigError) as e: train(cfg(run, steps=4, resume_from=str(run / "checkpoint-2")), progress=False)
+    """In its own folder the new steps would be rotated away first (checkpoint-3 is newer) and a crash would resume the
+    old branch."""
+    with pytest.raises(ConfigError) as e:
+        train(cfg(run, steps=4, resume_from=str(run / "checkpoint-2")), progress=False)
     assert f"is step 2 of the run in {run}, which went on to checkpoint-3" in str(e.value)
     assert names(run) == ["checkpoint-2", "checkpoint-3"] and steps_logged(run) == [1, 2, 3]        # nothing touched
     branch = tmp_path / "branch"
@@ -246,11 +260,13 @@ def test_an_earlier_checkpoint_continues_only_in_an_empty_folder(run, tmp_path):
 
 
 def test_only_numbered_checkpoint_folders_are_the_runs(run):
-    mine = {"checkpoint-best/weights.bin": "best", "checkpoint-2-backup/weights.bin": "backup", "checkpoint-notes.txt": "notes"}
+    mine = {"checkpoint-best/weights.bin": "best", "checkpoint-2-backup/weights.bin": "backup",
+            "checkpoint-notes.txt": "notes"}
     for name, text in mine.items():
         (run / name).parent.mkdir(exist_ok=True); (run / name).write_text(text)
     train(cfg(run, steps=4, resume_from="latest"), progress=False)        # resume, then prune checkpoint-2
-    assert names(run) == ["checkpoint-2-backup", "checkpoint-3", "checkpoint-4", "checkpoint-best", "checkpoint-notes.txt"]
+    assert names(run) == ["checkpoint-2-backup", "checkpoint-3", "checkpoint-4", "checkpoint-best",
+                          "checkpoint-notes.txt"]
     assert all((run / name).read_text() == text for name, text in mine.items())
     assert steps_logged(run) == [1, 2, 3, 4] and latest_checkpoint(run).name == "checkpoint-4"
 
@@ -280,7 +296,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     assert p.stderr.strip().splitlines()[-1] == (f"SIGTERM: stopped after step 2; saved {out / 'checkpoint-2'} "
                                                  "(resume_from=latest continues from it)"), p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "SIGTERM: finishing this step" in p.stderr
-    assert names(out) == ["checkpoint-2"] and checkpoint_problem(out / "checkpoint-2") is None and steps_logged(out) == [1, 2]
+    assert (names(out) == ["checkpoint-2"] and checkpoint_problem(out / "checkpoint-2") is None
+            and steps_logged(out) == [1, 2])
     assert not (out / K.LOCK).exists()
 
 
@@ -289,12 +306,15 @@ def test_ctrl_c_saves_and_the_cli_says_so_in_one_line(tmp_path, monkeypatch, cap
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     send_in_generate(monkeypatch, {2: [signal.SIGINT]})
     try: code = main(args(out, steps=4, save_every=3))
-    except KeyboardInterrupt as e: pytest.fail(f"the CLI let {e!r} escape")      # (uncaught, it would stop the whole session)
+    # (uncaught, it would stop the whole session)
+    except KeyboardInterrupt as e: pytest.fail(f"the CLI let {e!r} escape")
     assert code == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"SIGINT: stopped after step 2; saved {out / 'checkpoint-2'} (resume_from=latest continues from it)"
+    assert err[-1] == (f"SIGINT: stopped after step 2; saved {out / 'checkpoint-2'} "
+                       "(resume_from=latest continues from it)")
     assert names(out) == ["checkpoint-2"] and steps_logged(out) == [1, 2]
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers, "train must restore the handlers"
+    assert (signal.getsignal(signal.SIGINT),
+            signal.getsignal(signal.SIGTERM)) == handlers, "train must restore the handlers"
 
 
 def test_a_second_signal_abandons_the_step(tmp_path, monkeypatch):
@@ -302,8 +322,8 @@ def test_a_second_signal_abandons_the_step(tmp_path, monkeypatch):
     send_in_generate(monkeypatch, {2: [signal.SIGINT, signal.SIGINT]})
     with pytest.raises(KeyboardInterrupt) as e: train(cfg(out, steps=4), progress=False)
     assert isinstance(e.value, TrainingInterrupted), repr(e.value)
-    assert str(e.value) == (f"SIGINT again: abandoned the step in progress; the last checkpoint is {out / 'checkpoint-1'} "
-                            "(resume_from=latest continues from it)")
+    assert str(e.value) == (f"SIGINT again: abandoned the step in progress; the last checkpoint is "
+                            f"{out / 'checkpoint-1'} (resume_from=latest continues from it)")
     assert e.value.exit_code == 130 and names(out) == ["checkpoint-1"] and steps_logged(out) == [1]
 
 
@@ -335,10 +355,12 @@ def test_nonfinite_metrics_are_written_as_null(tmp_path):
     log.close()
     def strict(constant): raise ValueError(f"{constant} is not JSON")
     line = (tmp_path / "metrics.jsonl").read_text()
-    assert json.loads(line, parse_constant=strict) == {"step": 1, "reward": None, "loss": None, "kl": 0.25, "eval/by_level": [1.0, None]}
+    assert json.loads(line, parse_constant=strict) == {"step": 1, "reward": None, "loss": None, "kl": 0.25,
+                                                       "eval/by_level": [1.0, None]}
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["reward"] is None
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)          # nothing finite to draw: a note on the plot, no legend warning
+        # nothing finite to draw: a note on the plot, no legend warning
+        warnings.simplefilter("error", UserWarning)
         assert plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "curve.png").exists()
 
 
@@ -346,10 +368,12 @@ FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
 from mmrgrpo.runlog import MetricsLogger
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit then fails with EFBIG instead of killing us
+# a write past the limit then fails with EFBIG instead of killing us
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 path = Path(sys.argv[1]) / "metrics.jsonl"
 resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size // 2, resource.RLIM_INFINITY))   # room for half the file
-try: MetricsLogger(path.parent, resume_step=10**9)      # a resume rewrites the file (dropping lines after the checkpoint)
+# a resume rewrites the file (dropping lines after the checkpoint)
+try: MetricsLogger(path.parent, resume_step=10**9)
 except OSError as e: print("failed:", e.strerror)
 """
 
@@ -359,8 +383,8 @@ def test_the_resume_rewrite_of_metrics_never_leaves_half_a_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "reward": s / 100, "pad": "x" * 200}) + "\n" for s in range(1, 201)))
     before = path.read_bytes()
-    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], env=child_env(), capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], env=child_env(), capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0 and "failed: File too large" in p.stdout, p.stdout + p.stderr[-3000:]
     assert path.read_bytes() == before, "the rewrite cut metrics.jsonl"
     assert sorted(q.name for q in tmp_path.iterdir()) == ["metrics.jsonl"]          # no temporary file left

@@ -32,9 +32,9 @@ from .evaluation import evaluate
 from .distributed import init_distributed, reduce_metrics, shard_policy, is_sharded, dist_info, all_reduce_sum
 from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rss_sampler
 from .speedups import speedups, hooks, first_answer, first_hook
-from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir, output_dir_lock,
-                                 where_to_resume, TrainingInterrupted, check_output_dir, rng_state, set_rng_state, BEST,
-                                 best_record, CheckpointSaveError)
+from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir,
+                                 output_dir_lock, where_to_resume, TrainingInterrupted, check_output_dir, rng_state,
+                                 set_rng_state, BEST, best_record, CheckpointSaveError)
 from .signals import StopSignals
 from .step import score, advantages_for, prune, update, rollout_metrics, check_step_memory
 

@@ -5,7 +5,8 @@ import pytest, torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-DATA = Path(__file__).resolve().parents[1] / "nbs" / "data"     # small excerpts of GSM8K and MATH-500 shipped with the repository
+# small excerpts of GSM8K and MATH-500 shipped with the repository
+DATA = Path(__file__).resolve().parents[1] / "nbs" / "data"
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +54,8 @@ def no_model(monkeypatch):
 
 
 def cpu_with(flags) -> "CPUSupport":
-    "The `CPUSupport` of a CPU with these /proc/cpuinfo-style flags (avx512_bf16, amx_bf16, avx512bw), to fake the hardware."
+    """The `CPUSupport` of a CPU with these /proc/cpuinfo-style flags (avx512_bf16, amx_bf16, avx512bw), to fake the
+    hardware."""
     from mmrgrpo.models import CPUSupport
     flags = set(flags)
     bf16, amx = bool(flags & {"avx512_bf16", "amx_bf16"}), "amx_bf16" in flags

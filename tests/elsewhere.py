@@ -1,7 +1,8 @@
-"""A second device on a CPU: `Elsewhere` tensors hold CPU data but say they live on the `meta` device, and inside `OneDevice`
-an op that meets one of them and a plain CPU tensor (of at least one dimension) fails as CUDA fails when a CPU tensor meets
-GPU log-probs. Factory functions and `.to()` aimed at that device make `Elsewhere` tensors, so code that follows the policy's
-device runs; code that builds a tensor without a device, and uses it with the policy's outputs, fails here as on a GPU."""
+"""A second device on a CPU: `Elsewhere` tensors hold CPU data but say they live on the `meta` device, and inside
+`OneDevice` an op that meets one of them and a plain CPU tensor (of at least one dimension) fails as CUDA fails when a
+CPU tensor meets GPU log-probs. Factory functions and `.to()` aimed at that device make `Elsewhere` tensors, so code
+that follows the policy's device runs; code that builds a tensor without a device, and uses it with the policy's
+outputs, fails here as on a GPU."""
 import contextlib
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -14,8 +15,8 @@ class Elsewhere(torch.Tensor):
     "A CPU tensor that says it lives on `AWAY`."
     @staticmethod
     def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=AWAY,
-                                                   requires_grad=inner.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                   device=AWAY, requires_grad=inner.requires_grad)
 
     def __init__(self, inner): self.inner = inner
     def __repr__(self): return f"Elsewhere({self.inner!r})"
@@ -31,7 +32,8 @@ MOVES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
 
 
 def _from_data(make):
-    "`torch.tensor`/`torch.as_tensor` that build on the CPU and wrap when asked for `AWAY` (they copy outside the dispatcher)."
+    """`torch.tensor`/`torch.as_tensor` that build on the CPU and wrap when asked for `AWAY` (they copy outside the
+    dispatcher)."""
     def build(data, *a, device=None, **k):
         if device is None or torch.device(device) != AWAY: return make(data, *a, device=device, **k)
         return Elsewhere(make(data.inner if isinstance(data, Elsewhere) else data, *a, **k))
@@ -56,11 +58,12 @@ class OneDevice(TorchDispatchMode):
         if not away and kwargs.get("device") != AWAY: return func(*args, **kwargs)
         plain = [a for a in tensors if not isinstance(a, Elsewhere) and a.dim() > 0]
         if plain and away and func not in MOVES:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {AWAY} and "
-                               f"cpu! ({func} met a cpu tensor of shape {tuple(plain[0].shape)})")
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{AWAY} and cpu! ({func} met a cpu tensor of shape {tuple(plain[0].shape)})")
         unwrap = lambda a: a.inner if isinstance(a, Elsewhere) else torch.device("cpu") if a == AWAY else a
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        if func is MOVES[0] and kwargs.get("device", AWAY) != AWAY: return out        # .to("cpu"), .cpu(): a plain tensor
+        # .to("cpu"), .cpu(): a plain tensor
+        if func is MOVES[0] and kwargs.get("device", AWAY) != AWAY: return out
         return tree_map(lambda o: Elsewhere(o) if isinstance(o, torch.Tensor) else o, out)
 
 
@@ -70,7 +73,8 @@ def send_away(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def no_autocast_away(monkeypatch):
-    "torch keeps no autocast state for the stand-in device: asking says off, and turning it on or off there does nothing."
+    """torch keeps no autocast state for the stand-in device: asking says off, and turning it on or off there does
+    nothing."""
     enabled, autocast = torch.is_autocast_enabled, torch.autocast
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and str(a[0]) == AWAY.type else enabled(*a))
     monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k:

@@ -1,5 +1,6 @@
 """Reward functions the reliability tests load by name, `reward_fixtures:<function>`: one that varies within a group (so
-advantages and updates are not zero on a random model), and three that misbehave in the three ways the trainer must survive."""
+advantages and updates are not zero on a random model), and three that misbehave in the three ways the trainer must
+survive."""
 import math
 
 
@@ -46,20 +47,23 @@ def mutates(prompts, completions, **kwargs):
 def sends_sigint(prompts, completions, **kwargs):
     "The user's Ctrl-C arrives while the reward functions run (sent here, so it comes at that moment)."
     import os, signal
-    trainer = os.getppid() if os.environ.get("MMRGRPO_FUNCTION_PROCESS") else os.getpid()   # called in its own process, or not
+    # called in its own process, or not
+    trainer = os.getppid() if os.environ.get("MMRGRPO_FUNCTION_PROCESS") else os.getpid()
     os.kill(trainer, signal.SIGINT)
     return varied(prompts, completions)
 
 
 def _term_trainer_then_score(gold, completion):
-    "Run in a verifier process: for the gold 'term', send SIGTERM to the trainer's process group (a scheduler stopping the job)."
+    """Run in a verifier process: for the gold 'term', send SIGTERM to the trainer's process group (a scheduler stopping
+    the job)."""
     import os, signal, time
     if gold == "term": os.killpg(os.getpgid(os.getppid()), signal.SIGTERM); time.sleep(0.5)
     return 1.0
 
 
 def holds_the_interpreter(prompts, completions, **kwargs):
-    "A backtracking regular expression: it holds the interpreter (the GIL) for about 20 s on a laptop, then scores like `varied`."
+    """A backtracking regular expression: it holds the interpreter (the GIL) for about 20 s on a laptop, then scores
+    like `varied`."""
     import re
     re.match(r"(a+)+$", "a" * 28 + "b")
     return varied(prompts, completions)

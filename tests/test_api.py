@@ -12,12 +12,14 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_import_line_works():
-    r = run("import mmrgrpo; mmrgrpo.train; mmrgrpo.GRPOConfig; from mmrgrpo.rewards import accuracy_reward, format_reward")
+    r = run("import mmrgrpo; mmrgrpo.train; mmrgrpo.GRPOConfig; "
+            "from mmrgrpo.rewards import accuracy_reward, format_reward")
     assert r.returncode == 0, r.stderr
 
 
 def test_every_public_name_resolves():
-    r = run("import mmrgrpo; missing = [n for n in mmrgrpo.__all__ if getattr(mmrgrpo, n, None) is None]; print(missing)")
+    r = run("import mmrgrpo; missing = [n for n in mmrgrpo.__all__ if getattr(mmrgrpo, n, None) is None]; "
+            "print(missing)")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 

@@ -1,7 +1,7 @@
-"""The quickest benchmark scripts, run with `--quick` (the tiny random model, seconds each): a script that no longer runs
-against the package is found here, not by the next person who needs its numbers. (Two had drifted: a decoder subclass
-missed a new prefill argument, and `load_config(overrides=None)` failed.) The slower scripts' `--quick` runs are listed in
-bench/README.md."""
+"""The quickest benchmark scripts, run with `--quick` (the tiny random model, seconds each): a script that no longer
+runs against the package is found here, not by the next person who needs its numbers. (Two had drifted: a decoder
+subclass missed a new prefill argument, and `load_config(overrides=None)` failed.) The slower scripts' `--quick` runs
+are listed in bench/README.md."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest

@@ -1,5 +1,5 @@
-"""save_best: the run keeps best-checkpoint, the weights of its best held-out evaluation so far, on the tiny random model.
-The evaluations are scripted (the tiny model's accuracy is always 0), so each test says which step must win."""
+"""save_best: the run keeps best-checkpoint, the weights of its best held-out evaluation so far, on the tiny random
+model. The evaluations are scripted (the tiny model's accuracy is always 0), so each test says which step must win."""
 import json, shutil, sys
 from pathlib import Path
 
@@ -11,9 +11,11 @@ from mmrgrpo.config import load_config
 from mmrgrpo.trainer import train
 
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:varied, rewards that differ in a group
+# reward_fixtures:varied, rewards that differ in a group
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 
-RUN = dict(reward_funcs=["reward_fixtures:varied"], reward_weights=None, model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=2, eval_every=1,
+RUN = dict(reward_funcs=["reward_fixtures:varied"], reward_weights=None, model="tiny-random", num_generations=4,
+           prompts_per_step=2, max_completion_length=6, eval_size=2, eval_every=1,
            save_every=1, log_completions_every=0, learning_rate=1e-3, save_best=True, autocast_bf16=False,
            sampler_dtype="float32")
 
@@ -56,18 +58,22 @@ def test_best_checkpoint_holds_the_weights_of_the_best_evaluation(tmp_path, monk
     assert checkpoint_problem(best) is None
     assert trainer_state(best)["step"] == 2 and trainer_state(best)["best"] == {"step": 2, "eval/accuracy": 0.6}
     assert res.best == {"step": 2, "eval/accuracy": 0.6}
-    regular = keep / f"checkpoint-2-at-{written.index(('checkpoint-2', 2)) + 1}"      # rotated out of the run folder since
+    # rotated out of the run folder since
+    regular = keep / f"checkpoint-2-at-{written.index(('checkpoint-2', 2)) + 1}"
     assert adapter_bytes(best) == adapter_bytes(regular)                               # the weights as step 2 left them
     assert adapter_bytes(best) != adapter_bytes(out / "checkpoint-4")
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]   # rotation leaves it alone
+    # rotation leaves it alone
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert f"best held-out accuracy 0.600 at step 2: {best}" in capsys.readouterr().out
     assert T.plot_rewards(out / "metrics.jsonl", tmp_path / "curve.png", best=res.best).stat().st_size > 0   # starred
 
 
 def test_a_resumed_run_compares_with_what_best_checkpoint_holds(tmp_path, monkeypatch):
-    "The evaluation after the last step can be the best: it is in best-checkpoint and not in the last checkpoint's state."
+    """The evaluation after the last step can be the best: it is in best-checkpoint and not in the last checkpoint's
+    state."""
     out = tmp_path / "run"
-    scripted_evals(monkeypatch, [0.1, 0.2, 0.7])                         # before, step 1, after step 2: step 2 is the best
+    # before, step 1, after step 2: step 2 is the best
+    scripted_evals(monkeypatch, [0.1, 0.2, 0.7])
     train(load_config(**RUN, steps=2, output_dir=str(out)), progress=False)
     assert trainer_state(out / BEST)["best"] == {"step": 2, "eval/accuracy": 0.7}
     assert trainer_state(out / "checkpoint-2")["best"] == {"step": 1, "eval/accuracy": 0.2}

@@ -1,4 +1,5 @@
-"The three methods switched on together, with every option: batch-scope pruning, ties, iterations, loss weights, counts."
+"""The three methods switched on together, with every option: batch-scope pruning, ties, iterations, loss weights,
+counts."""
 import copy, warnings
 import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
@@ -24,14 +25,15 @@ def _model(seed=0):
 
 
 def _config(tmp_path, **kw):
-    base = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0, beta=0.0,
-                lora=False, max_grad_norm=0.0, output_dir=str(tmp_path), log_completions_every=0,
-                autocast_bf16=False)        # exact float32 comparisons: no bf16 autocast, even where the CPU runs it fast
+    base = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0,
+                beta=0.0, lora=False, max_grad_norm=0.0, output_dir=str(tmp_path), log_completions_every=0,
+                autocast_bf16=False)  # exact float32 comparisons: no bf16 autocast, even where the CPU runs it fast
     return load_config(**{**base, **kw})
 
 
 def _rollout(G=4, B=2, T=6, seed=0, texts=None):
-    "B groups of G completions; the prompts differ in length (left padding) so a row scored on another group's prompt shows."
+    """B groups of G completions; the prompts differ in length (left padding) so a row scored on another group's prompt
+    shows."""
     g = torch.Generator().manual_seed(seed)
     lengths = [5, 3, 4][:B]
     P = max(lengths)
@@ -43,8 +45,8 @@ def _rollout(G=4, B=2, T=6, seed=0, texts=None):
     c_mask = torch.ones(N, T, dtype=torch.long); c_mask[1, 3:] = 0
     if B > 1: c_mask[G + 2, 2:] = 0
     texts = texts or [f"completion {i}" for i in range(N)]
-    return Rollout([f"prompt {i // G}" for i in range(N)], texts, p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0),
-                   c_ids, c_mask, G)
+    return Rollout([f"prompt {i // G}" for i in range(N)], texts, p_ids.repeat_interleave(G, 0),
+                   p_mask.repeat_interleave(G, 0), c_ids, c_mask, G)
 
 
 class _Recording:
@@ -89,7 +91,8 @@ def test_batch_scope_pruning_follows_group_ids(tmp_path):
     # and so do the gradients of a whole update (it crashed before: "5 values cannot be split into groups of 2")
     grads = {}
     for share in (True, False):
-        cs = _config(tmp_path, prune_rate=0.375, prune_scope="batch", token_selection="gmts", keep_ratio=0.5, share_prompt=share)
+        cs = _config(tmp_path, prune_rate=0.375, prune_scope="batch", token_selection="gmts", keep_ratio=0.5,
+                     share_prompt=share)
         grads[share], _ = _run_update(cs, _model(), kept, kept_adv)
     _assert_same_grads(grads[True], grads[False])
 
@@ -120,7 +123,8 @@ def test_identical_completions_never_update_with_all_three_methods_on(tmp_path):
         c = _config(tmp_path, prompts_per_step=1, mmr=True, prune_rate=0.75, prune_scope=scope, token_selection="gmts",
                     temperature=1.0, beta=0.0)
         adv, metrics = advantages_for(rewards, same, c, _FakeEmbedder())
-        assert torch.equal(adv, torch.zeros(4)), adv                     # before: the first pick got +1.5, the rest -0.5
+        # before: the first pick got +1.5, the rest -0.5
+        assert torch.equal(adv, torch.zeros(4)), adv
         kept, kept_adv, _ = prune(same, adv, c)
         grads, _ = _run_update(c, model, kept, kept_adv)
         assert all(float(g.abs().max()) == 0.0 for g in grads[0].values())
@@ -140,7 +144,8 @@ def test_mmr_tie_goes_to_the_most_distinct_completion_whatever_its_row():
     idx, _ = mmr_reweight_groups(rewards, E, 4, tie_break="index")       # the reference code's rule: row 0 first
     _, order = mmr_greedy(rewards[None], similarity_matrix(E, 4), torch.tensor([0.5]), tie_break="index")
     assert order[0, 0] == 0
-    assert any(not torch.equal(mmr_reweight_groups(rewards, E[torch.tensor(p)], 4, tie_break="index")[0], idx[torch.tensor(p)])
+    assert any(not torch.equal(mmr_reweight_groups(rewards, E[torch.tensor(p)], 4, tie_break="index")[0],
+                               idx[torch.tensor(p)])
                for p in perms)                                           # ... which depends on the row order
 
 
@@ -169,7 +174,8 @@ def test_gmts_with_iterations_does_not_depend_on_micro_batches(tmp_path, monkeyp
         c = _config(tmp_path, token_selection="gmts", keep_ratio=0.3, num_iterations=2, micro_batch_size=mb)
         m = _model()
         # SGD, not AdamW: the two splits sum the same gradient in another order, and Adam's first step (g / |g|) turns
-        # rounding in near-zero gradients into full-size steps of either sign, which the second iteration then differs by
+        # rounding in near-zero gradients into full-size steps of either sign, which the second iteration then
+        # differs by
         opt = torch.optim.SGD(list(m.parameters()), lr=1.0)
         rec = _Recording(opt, m)
         update(m, rec, rollout, adv, c)
@@ -184,14 +190,16 @@ def test_gmts_with_iterations_does_not_depend_on_micro_batches(tmp_path, monkeyp
 # --- finding 4: the GMTS score carries the loss weight of each token
 
 def test_gmts_score_uses_the_loss_weight(tmp_path):
-    # ALGORITHMS.md's example: lengths 1 and 4, entropies [1.0] and [0.5, 0.5, 0.5, 2.0], A = [+1, -1], keep 1 of 5 tokens
+    # ALGORITHMS.md's example: lengths 1 and 4, entropies [1.0] and [0.5, 0.5, 0.5, 2.0], A = [+1, -1],
+    # keep 1 of 5 tokens
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
     ent = torch.tensor([[1.0, 0, 0, 0], [0.5, 0.5, 0.5, 2.0]])
     lp = torch.zeros(2, 4)
     adv = torch.tensor([1., -1.])
     keep = {}
     for loss_type in ("grpo", "dapo"):
-        c = _config(tmp_path, num_generations=2, prompts_per_step=1, token_selection="gmts", keep_ratio=0.2, loss_type=loss_type)
+        c = _config(tmp_path, num_generations=2, prompts_per_step=1, token_selection="gmts", keep_ratio=0.2,
+                    loss_type=loss_type)
         keep[loss_type] = choose_tokens(c, (lp, ent, None), None, None, adv, mask, torch.zeros(2, dtype=torch.long))
     assert keep["dapo"].nonzero().tolist() == [[1, 3]]             # unweighted: the score 2.0 wins
     assert keep["grpo"].nonzero().tolist() == [[0, 0]]             # 1/|o|: 1.0 against 2.0 / 4
@@ -205,7 +213,8 @@ def test_dr_grpo_does_not_divide_by_the_std(tmp_path):
     assert c.scale_rewards_ == "none"
     adv, _ = advantages_for(rewards, _rollout(B=1), c)
     torch.testing.assert_close(adv, rewards - rewards.mean())
-    assert _config(tmp_path, loss_type="dr_grpo", scale_rewards="group").scale_rewards_ == "group"   # unless the user says
+    # unless the user says
+    assert _config(tmp_path, loss_type="dr_grpo", scale_rewards="group").scale_rewards_ == "group"
     assert _config(tmp_path).scale_rewards_ == "group"
 
 
@@ -275,7 +284,8 @@ def test_inverse_selection_keeps_the_lowest_scores():
 # --- issue 45 item 22: share_prompt changes the update's arithmetic order, not its gradients
 
 @pytest.mark.parametrize("methods", [{}, dict(prune_rate=0.25, token_selection="gmts", keep_ratio=0.5),
-                                     dict(prune_rate=0.375, prune_scope="batch", token_selection="gmts", keep_ratio=0.5)])
+                                     dict(prune_rate=0.375, prune_scope="batch", token_selection="gmts",
+                                          keep_ratio=0.5)])
 def test_share_prompt_gives_the_same_lora_gradients(methods, tmp_path):
     """After one step with AdamW the adapters of share_prompt=true and false differed by 2.6e-4 (plain) to 4.2e-3 (batch
     pruning, GMTS). Their gradients differ by at most 6e-7 of the largest (measured): fp32 sums taken in another order.

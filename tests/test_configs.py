@@ -1,4 +1,5 @@
-"Every shipped config file loads: run configs through `load_config`, accelerate launch configs through accelerate's own reader."
+"""Every shipped config file loads: run configs through `load_config`, accelerate launch configs through accelerate's
+own reader."""
 from pathlib import Path
 import pytest
 from mmrgrpo.config import ConfigError, load_config
@@ -14,7 +15,8 @@ def test_run_config_loads(path):
 
 def test_colab_config_is_the_tutorials_qlora_run():
     c = load_config(CONFIGS / "colab_qlora.yaml")
-    assert (c.model, c.task, c.load_in_4bit, c.lora, c.mmr, c.dtype) == ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", True, True, True, "auto")
+    assert ((c.model, c.task, c.load_in_4bit, c.lora, c.mmr, c.dtype)
+            == ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", True, True, True, "auto"))
     assert c.autocast_bf16 == "auto"                     # a T4 computes the 4-bit layers and the update in float16
     assert c.prune_rate > 0 and c.gradient_checkpointing and c.generation_backend == "hf"   # works without vLLM
 
@@ -26,7 +28,8 @@ def test_accelerate_config_reads(name, kind):
     path = CONFIGS / "accelerate" / f"{name}.yaml"
     cfg = ClusterConfig.from_yaml_file(path)
     assert cfg.distributed_type == kind and cfg.num_processes == 2 and cfg.mixed_precision == "no"
-    if kind == "DEEPSPEED": assert "NOT SUPPORTED YET" in path.read_text()      # the file says so before anyone launches it
+    # the file says so before anyone launches it
+    if kind == "DEEPSPEED": assert "NOT SUPPORTED YET" in path.read_text()
     if name == "fsdp2": assert cfg.fsdp_config["fsdp_version"] == 2
     if kind == "DEEPSPEED": assert cfg.deepspeed_config["zero_stage"] == int(name[-1])
 
@@ -40,7 +43,8 @@ def test_sharded_launch_is_refused_not_silently_unsharded(monkeypatch, var):
 
 
 def test_accelerate_fsdp_launch_means_fsdp2(monkeypatch):
-    "An accelerate FSDP launch is served (sharded by `shard_policy`), not refused; sharded only with more than one process."
+    """An accelerate FSDP launch is served (sharded by `shard_policy`), not refused; sharded only with more than one
+    process."""
     from mmrgrpo import distributed
     from mmrgrpo.config import load_config
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -58,6 +62,7 @@ def test_accelerate_fsdp_launch_means_fsdp2(monkeypatch):
 def test_settings_that_do_nothing_as_set_are_warned_about():
     from mmrgrpo.config import load_config
     for kw, says in ((dict(allocation=True), "allocation=true does nothing with prune_rate=0"),
-                     (dict(token_selection_inverse=True), "token_selection_inverse=true does nothing with token_selection=none"),
+                     (dict(token_selection_inverse=True),
+                      "token_selection_inverse=true does nothing with token_selection=none"),
                      (dict(warmup_steps=20, steps=5), "warmup_steps=20 with steps=5: the learning rate never reaches")):
         with pytest.warns(UserWarning, match=says): load_config(**kw)

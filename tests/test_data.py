@@ -93,7 +93,8 @@ def test_tasks_for_step_list_walks_seeded_epochs():
 
 def test_gsm8k_local(data_dir, monkeypatch):
     monkeypatch.delenv("MMRGRPO_DATA", raising=False)
-    assert all((data_dir / d / f).is_file() for d in ("gsm8k", "math500") for f in ("LICENSE", "NOTICE"))   # source and licence
+    # source and licence
+    assert all((data_dir / d / f).is_file() for d in ("gsm8k", "math500") for f in ("LICENSE", "NOTICE"))
     test = load_tasks("gsm8k", "test", data_dir=data_dir)
     assert len(test) == 50
     assert test[0]["answer"] == "18" and test[0]["question"].startswith("Janet’s ducks lay 16 eggs")
@@ -106,10 +107,12 @@ def test_gsm8k_local(data_dir, monkeypatch):
 
 
 def test_nothing_reads_outside_the_repository():
-    "A fresh clone has no data folder beside it, and a fixed temporary path is shared by every user of a machine: nothing names either."
+    """A fresh clone has no data folder beside it, and a fixed temporary path is shared by every user of a machine:
+    nothing names either."""
     root = Path(__file__).resolve().parents[1]
     outside = re.compile(r"\.\./shared\b|[\"']/tmp/")
-    found = [f"{f.relative_to(root)}: {m.group()}" for f in [*root.glob("nbs/*.ipynb"), *root.glob("mmrgrpo/*.py"), *root.glob("tests/*.py")]
+    found = [f"{f.relative_to(root)}: {m.group()}"
+             for f in [*root.glob("nbs/*.ipynb"), *root.glob("mmrgrpo/*.py"), *root.glob("tests/*.py")]
              for m in outside.finditer(f.read_text())]
     assert found == []
 
@@ -144,7 +147,8 @@ def test_hub_fallback_without_network(tmp_path, monkeypatch):
     assert calls[-1] == ("someone/data", "cfg", "test")
     def offline(*a, **k): raise ConnectionError("no network")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DataError, match=r"no local copy in .*gsm8k.*MMRGRPO_DATA"): load_tasks("gsm8k", data_dir=tmp_path)
+    with pytest.raises(DataError, match=r"no local copy in .*gsm8k.*MMRGRPO_DATA"):
+        load_tasks("gsm8k", data_dir=tmp_path)
 
 
 # --- bad files
@@ -159,7 +163,8 @@ GOOD = b'{"question": "What is 1 + 1?", "answer": "2"}\n'
     ("field.jsonl", GOOD + b'{"q": "What is 2 + 2?", "answer": "4"}\n', "field.jsonl row 2: no field 'question'"),
     ("noanswer.jsonl", b'{"question": "What?"}\n', "noanswer.jsonl row 1: no field 'answer'"),
     ("blank.jsonl", GOOD + b'{"question": " ", "answer": "4"}\n', "blank.jsonl row 2: empty question"),
-    ("gold.jsonl", GOOD * 3 + b'{"question": "Half?", "answer": "\\\\boxed{}"}\n', "gold.jsonl row 4: gold answer '\\\\boxed{}' cannot be parsed"),
+    ("gold.jsonl", GOOD * 3 + b'{"question": "Half?", "answer": "\\\\boxed{}"}\n',
+     "gold.jsonl row 4: gold answer '\\\\boxed{}' cannot be parsed"),
     ("list.jsonl", GOOD + b'[1, 2]\n', "list.jsonl row 2: expected a JSON object"),
     ("empty.json", b"  ", "empty.json: the file is empty"),
     ("bad.json", b'[\n{"question": "a", "answer": "1"},\n{"question": }\n]', "bad.json line 3: invalid JSON"),
@@ -174,7 +179,8 @@ def test_bad_rows_are_named(tmp_path, name, data, message):
 
 def test_gsm8k_without_hashes_is_named(tmp_path):
     (tmp_path / "gsm8k").mkdir()
-    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "a?", "answer": "#### 3"}\n{"question": "b?", "answer": "3"}\n')
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "a?", "answer": "#### 3"}\n'
+                                                    '{"question": "b?", "answer": "3"}\n')
     with pytest.raises(DataError, match=r"train.jsonl row 2: the GSM8K answer has no '#### <number>' line"):
         load_tasks("gsm8k", data_dir=tmp_path)
 
@@ -198,18 +204,21 @@ def jsonl(path, rows) -> str:
 
 
 def test_gold_answers_are_strings_or_numbers(tmp_path):
-    "JSON true, lists and dicts are not answers (str(True) would parse as the product of four symbols and score completions)."
+    """JSON true, lists and dicts are not answers (str(True) would parse as the product of four symbols and score
+    completions)."""
     p = jsonl(tmp_path / "t.jsonl", [{"question": "a?", "answer": 6}, {"question": "b?", "answer": 0.5},
                                      {"question": "c?", "answer": True}, {"question": "d?", "answer": [1, 2]},
                                      {"question": "e?", "answer": {"x": 1}}])
-    with pytest.raises(DataError, match=r"t.jsonl row 3: gold answer True is a bool, not a string or a number; fix the row"):
+    with pytest.raises(DataError,
+                       match=r"t.jsonl row 3: gold answer True is a bool, not a string or a number; fix the row"):
         load_tasks(p)
     records, skipped = load_tasks(p, skip_bad_rows=True, return_skipped=True)
     assert [r["answer"] for r in records] == ["6", "0.5"] and skipped == 3
     (tmp_path / "inf.jsonl").write_text('{"question": "a?", "answer": 1e400}\n')                  # JSON reads it as inf
     with pytest.raises(DataError, match=r"inf.jsonl row 1: gold answer inf is not a finite number"):
         load_tasks(str(tmp_path / "inf.jsonl"))
-    for ext in ("jsonl", "json"):           # Python will not read an integer of more than 4300 digits: a row error, not a crash
+    # Python will not read an integer of more than 4300 digits: a row error, not a crash
+    for ext in ("jsonl", "json"):
         (tmp_path / f"long.{ext}").write_text('[{"question": "b?", "answer": ' + "7" * 5000 + "}]")
         with pytest.raises(DataError, match=r"long.json.*invalid JSON \(Exceeds the limit \(4300 digits\)"):
             load_tasks(str(tmp_path / f"long.{ext}"))
@@ -231,7 +240,8 @@ def test_slow_and_huge_gold_answers_are_cut_off(tmp_path):
 def test_other_formats_and_fields(tmp_path):
     import pyarrow as pa, pyarrow.parquet as pq
     rows = [{"problem": "What is 3 + 3?", "sol": 6, "id": 1}, {"problem": "Half of 1?", "sol": "\\frac{1}{2}", "id": 2}]
-    want = [{"question": "What is 3 + 3?", "answer": "6", "id": 1}, {"question": "Half of 1?", "answer": "\\frac{1}{2}", "id": 2}]
+    want = [{"question": "What is 3 + 3?", "answer": "6", "id": 1},
+            {"question": "Half of 1?", "answer": "\\frac{1}{2}", "id": 2}]
     (tmp_path / "t.json").write_text(json.dumps(rows))
     (tmp_path / "lines.json").write_text("\n".join(map(json.dumps, rows)))          # JSON Lines named .json
     pq.write_table(pa.Table.from_pylist([{**r, "sol": str(r["sol"])} for r in rows]), tmp_path / "t.parquet")
@@ -257,7 +267,8 @@ def test_split_held_out_has_no_overlap():
     assert questions(held) == sorted(questions(held), key=questions(records).index)
     assert split_held_out(records, 3, "t.jsonl") == (train, held)                       # a fixed seed, not the run's
     assert len(split_held_out(records, 100)[1]) == 4                                    # at most half of 9 questions
-    with pytest.raises(DataError, match=r"one.jsonl: cannot hold 5 of its 1 distinct question\(s\) out .* set eval_task"):
+    with pytest.raises(DataError,
+                       match=r"one.jsonl: cannot hold 5 of its 1 distinct question\(s\) out .* set eval_task"):
         split_held_out(records[:1], 5, "one.jsonl")
 
 
@@ -282,7 +293,8 @@ def test_training_on_a_file_evaluates_on_rows_it_never_trains_on(tmp_path, monke
     monkeypatch.setattr(T, "fit_prompts", fit_prompts)
     c = load_config(model="tiny-random", task=p, eval_size=5, output_dir=str(tmp_path / "run"))
     import torch
-    with pytest.raises(Stop): T.train(c, model=torch.nn.Linear(1, 1), tokenizer=None, progress=False)   # stops before any use
+    # stops before any use
+    with pytest.raises(Stop): T.train(c, model=torch.nn.Linear(1, 1), tokenizer=None, progress=False)
     assert len(seen["test"]) == 5 and len(seen["train"]) == 15 and not set(seen["train"]) & set(seen["test"])
 
 
@@ -306,18 +318,23 @@ def test_format_prompt(tok):
 
 
 def test_check_prompt_lengths(tok):
-    prompts = [format_prompt(tok, q, shots=default_shots("arithmetic")) for q in ["What is 1 + 1?", "x " * 300, "What is 2 + 2?", "y " * 400]]
+    prompts = [format_prompt(tok, q, shots=default_shots("arithmetic"))
+               for q in ["What is 1 + 1?", "x " * 300, "What is 2 + 2?", "y " * 400]]
     lengths = [len(tok(p, add_special_tokens=False).input_ids) for p in prompts]
     assert check_prompt_lengths(tok, prompts, max(lengths)) == [0, 1, 2, 3]
     limit = max(lengths[0], lengths[2])
-    with pytest.raises(DataError, match=rf"my.jsonl row 2: the prompt has {lengths[1]} tokens, more than max_prompt_length={limit}"):
+    with pytest.raises(DataError, match=rf"my.jsonl row 2: the prompt has {lengths[1]} tokens, "
+                                        rf"more than max_prompt_length={limit}"):
         check_prompt_lengths(tok, prompts, limit, source="my.jsonl")
     assert check_prompt_lengths(tok, prompts, limit, skip_bad_rows=True) == [0, 2]
 
 
 def test_slips_in_task_data_dir_and_embedder_name_the_fix(tmp_path):
-    with pytest.raises(DataError, match=r"task 'arithmatic:1': did you mean 'arithmetic:1'\?"): load_tasks("arithmatic:1", limit=2)
-    with pytest.raises(DataError, match=r"data_dir='.*none': no such folder"): load_tasks("gsm8k", data_dir=tmp_path / "none")
-    with pytest.raises(DataError, match=r"is a folder: name a \.jsonl, \.json, \.parquet file in it"): load_tasks(str(tmp_path))
+    with pytest.raises(DataError, match=r"task 'arithmatic:1': did you mean 'arithmetic:1'\?"):
+        load_tasks("arithmatic:1", limit=2)
+    with pytest.raises(DataError, match=r"data_dir='.*none': no such folder"):
+        load_tasks("gsm8k", data_dir=tmp_path / "none")
+    with pytest.raises(DataError, match=r"is a folder: name a \.jsonl, \.json, \.parquet file in it"):
+        load_tasks(str(tmp_path))
     from mmrgrpo.mmr import load_embedder
     with pytest.raises(FileNotFoundError, match=r"embedding_model='\./nodir': no such folder"): load_embedder("./nodir")

@@ -1,9 +1,11 @@
-"""Two processes (torchrun, gloo, CPU) against one: the same update, reduced metrics, rank-0 logging, world-size-checked resume.
+"""Two processes (torchrun, gloo, CPU) against one: the same update, reduced metrics, rank-0 logging, world-size-checked
+resume.
 
-The test writes a fixed batch (prompt and completion ids, advantages, model weights) to a folder and launches this very file
-under `torchrun --standalone --nproc_per_node=2`; each process runs `update` on its contiguous half of the batch (whole groups)
-for every loss type and saves the gradient it would apply. In-process, the test runs `update` on the whole batch and compares.
-An optimizer stand-in (`GradCapture`) records the gradient at `step()` and moves no parameter, so nothing in `update` changes.
+The test writes a fixed batch (prompt and completion ids, advantages, model weights) to a folder and launches this very
+file under `torchrun --standalone --nproc_per_node=2`; each process runs `update` on its contiguous half of the batch
+(whole groups) for every loss type and saves the gradient it would apply. In-process, the test runs `update` on the
+whole batch and compares. An optimizer stand-in (`GradCapture`) records the gradient at `step()` and moves no
+parameter, so nothing in `update` changes.
 """
 import contextlib, io, json, os, subprocess, sys, time
 from pathlib import Path
@@ -31,7 +33,8 @@ def small_llama(seed):
 
 
 def make_batch():
-    "A fixed rollout of B groups of G (left-padded prompts, completions ending at an EOS or truncated) with its advantages."
+    """A fixed rollout of B groups of G (left-padded prompts, completions ending at an EOS or truncated) with its
+    advantages."""
     from mmrgrpo.advantages import group_advantages
     from mmrgrpo.sampling import completion_mask
     g = torch.Generator().manual_seed(0)
@@ -44,21 +47,24 @@ def make_batch():
     for i, s in enumerate(stop.tolist()):
         if s < T: c_ids[i, s] = eos; c_ids[i, s + 1:] = 0
     rewards = torch.randint(0, 3, (B * G,), generator=g).float()
-    return dict(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=completion_mask(c_ids, [eos]),
-                adv=group_advantages(rewards, G), policy=small_llama(0).state_dict(), ref=small_llama(1).state_dict())
+    return dict(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids,
+                completion_mask=completion_mask(c_ids, [eos]), adv=group_advantages(rewards, G),
+                policy=small_llama(0).state_dict(), ref=small_llama(1).state_dict())
 
 
 def rollout_rows(batch, rows):
     from mmrgrpo.sampling import Rollout
     n = rows.stop - rows.start
-    return Rollout([f"prompt {i // G}" for i in range(rows.start, rows.stop)], ["completion"] * n, batch["prompt_ids"][rows],
-                   batch["prompt_mask"][rows], batch["completion_ids"][rows], batch["completion_mask"][rows], G)
+    return Rollout([f"prompt {i // G}" for i in range(rows.start, rows.stop)], ["completion"] * n,
+                   batch["prompt_ids"][rows], batch["prompt_mask"][rows], batch["completion_ids"][rows],
+                   batch["completion_mask"][rows], G)
 
 
 def case_config(name):
     from mmrgrpo.config import load_config
     return load_config(model="tiny-random", lora=False, num_generations=G, prompts_per_step=B, micro_batch_size=G,
-                       max_completion_length=T, max_grad_norm=0.0, beta=0.04, autocast_bf16=False, **CASES[name])   # exact: fp32
+                       max_completion_length=T, max_grad_norm=0.0, beta=0.04, autocast_bf16=False,  # exact: fp32
+                       **CASES[name])
 
 
 def run_update(batch, name, rows):
@@ -72,8 +78,8 @@ def run_update(batch, name, rows):
 
 
 def tiny_run_args(out, **kw):
-    args = dict(model="tiny-random", steps=1, num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0,
-                save_every=1, log_completions_every=0, output_dir=str(out))
+    args = dict(model="tiny-random", steps=1, num_generations=4, prompts_per_step=2, max_completion_length=6,
+                eval_size=0, save_every=1, log_completions_every=0, output_dir=str(out))
     args.update(kw)
     return ["train"] + [f"{k}={v}" for k, v in args.items()]
 
@@ -88,13 +94,16 @@ def worker(out: Path):
     for name in CASES:
         grads, m = run_update(batch, name, slice(rank * n, (rank + 1) * n))
         torch.save({"grads": grads, "metrics": m}, out / f"{name}-rank{rank}.pt")
-    reduced = reduce_metrics({"reward": float(rank), "time/step": float(rank + 1), "rewards/x_errors": rank + 1, "loss": 7.0})
+    reduced = reduce_metrics({"reward": float(rank), "time/step": float(rank + 1), "rewards/x_errors": rank + 1,
+                              "loss": 7.0})
     err = io.StringIO()
     with contextlib.redirect_stderr(err): code = main(tiny_run_args(out / "bad", prompts_per_step=3))
-    (out / f"worker-rank{rank}.json").write_text(json.dumps({"reduced": reduced, "bad_code": code, "bad_err": err.getvalue()}))
+    (out / f"worker-rank{rank}.json").write_text(json.dumps({"reduced": reduced, "bad_code": code,
+                                                             "bad_err": err.getvalue()}))
     from mmrgrpo.config import load_config
     from mmrgrpo.trainer import train
-    train(load_config(overrides=tiny_run_args(out / "run")[1:]), progress=False)    # a 2-process step; rank 0 logs, checkpoints
+    # a 2-process step; rank 0 logs, checkpoints
+    train(load_config(overrides=tiny_run_args(out / "run")[1:]), progress=False)
     torch.distributed.barrier()                                                     # checkpoint-1 is written
     train(load_config(overrides=tiny_run_args(out / "best", steps=2, eval_size=2, eval_every=1, save_best=True)[1:]),
           progress=False)                                # keep_if_best: one decision on both processes, rank 0 writes
@@ -108,8 +117,8 @@ def two_process_run(tmp_path_factory, smollm2_path):
     torch.save(make_batch(), out / "batch.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)],
-                       env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                        str(out)], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(f"2-process run: {time.perf_counter() - t0:.1f} s")
     return out
@@ -125,7 +134,8 @@ def test_two_processes_apply_the_single_process_gradient(two_process_run, name):
     print(f"{name}: max |grad(1 process) - grad(2 processes)| = {diff:.2e}")
     assert diff < 1e-5
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))      # both processes take the same step
-    for k in ("loss", "kl", "clip_ratio", "entropy", "grad_norm") + (("tokens/kept_fraction",) if "gmts" in name else ()):
+    for k in (("loss", "kl", "clip_ratio", "entropy", "grad_norm")
+              + (("tokens/kept_fraction",) if "gmts" in name else ())):
         assert r0["metrics"][k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
         assert r1["metrics"][k] == r0["metrics"][k], k
 
@@ -143,8 +153,8 @@ def test_rank0_logs_and_checkpoints_and_resume_needs_same_world_size(two_process
     run = two_process_run / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]               # one writer (no duplicated lines); step 2 after resuming
-    assert json.loads((run / "checkpoint-2" / "trainer_state.json").read_text()) == {"nonfinite_in_a_row": 0, "world_size": 2,
-                                                                                    "step": 2}
+    assert json.loads((run / "checkpoint-2" / "trainer_state.json").read_text()) == {"nonfinite_in_a_row": 0,
+                                                                                    "world_size": 2, "step": 2}
     assert (run / "reward_curve.png").exists() and not list(run.glob(".tmp-*"))
     c = load_config(overrides=tiny_run_args(run, steps=3, resume_from="latest")[1:])
     with pytest.raises(ConfigError, match=r"written by a run on 2 process\(es\) and this run has 1"):
@@ -161,7 +171,8 @@ def test_save_best_on_two_processes(two_process_run):
 
 @pytest.mark.parametrize("cuda,backend", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")])
 def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
-    "On GPUs the group has gloo for CPU tensors (numbers, metrics) and nccl for CUDA ones: nccl alone cannot reduce CPU tensors."
+    """On GPUs the group has gloo for CPU tensors (numbers, metrics) and nccl for CUDA ones: nccl alone cannot reduce
+    CPU tensors."""
     import torch.distributed as dist
     from mmrgrpo.distributed import init_distributed
     asked, devices = [], []
@@ -176,7 +187,8 @@ def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
 
 @pytest.mark.parametrize("backend,x,device", [
     ("gloo", 3.0, "cpu"), ("cpu:gloo,cuda:nccl", 3.0, "cpu"), ("cpu:gloo,cuda:nccl", torch.ones(2), "cpu"),
-    ("nccl", 3.0, "cuda:0"), ("nccl", torch.ones(2), "cuda:0"),    # a group someone else made with nccl alone: reduce on the GPU
+    # a group someone else made with nccl alone: reduce on the GPU
+    ("nccl", 3.0, "cuda:0"), ("nccl", torch.ones(2), "cuda:0"),
 ])
 def test_reduce_device_per_backend(monkeypatch, backend, x, device):
     from mmrgrpo.distributed import reduce_device
@@ -196,12 +208,15 @@ def test_all_reduce_sum_hands_the_group_tensors_on_devices_it_serves(monkeypatch
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     g = torch.tensor([0.25, 1.5])
-    assert distributed.all_reduce_sum(3) == 6.0 and torch.equal(distributed.all_reduce_sum(g), torch.tensor([0.5, 3.0], dtype=torch.float64))
-    assert torch.equal(g, torch.tensor([0.25, 1.5])) and seen == [("cpu", torch.float64)] * 2     # the input is not changed
+    assert distributed.all_reduce_sum(3) == 6.0 and torch.equal(distributed.all_reduce_sum(g),
+                                                                torch.tensor([0.5, 3.0], dtype=torch.float64))
+    # the input is not changed
+    assert torch.equal(g, torch.tensor([0.25, 1.5])) and seen == [("cpu", torch.float64)] * 2
 
 
 def test_python_m_cli_runs_main():
-    r = subprocess.run([sys.executable, "-m", "mmrgrpo.cli", "train", "stepz=3"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "mmrgrpo.cli", "train", "stepz=3"], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 2 and "did you mean 'steps'" in r.stderr
 
 

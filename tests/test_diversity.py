@@ -1,5 +1,5 @@
-"""The diversity credit (ALGORITHMS.md section 3b): each promise it makes, checked on hand-made and random groups, and the
-reference MMR rule shown to break the ones it breaks. Also the config wiring and the paper's cosine reward."""
+"""The diversity credit (ALGORITHMS.md section 3b): each promise it makes, checked on hand-made and random groups, and
+the reference MMR rule shown to break the ones it breaks. Also the config wiring and the paper's cosine reward."""
 import math
 
 import pytest
@@ -21,15 +21,18 @@ def test_worked_examples():
     test(diversity_advantages(R_D, E_D, 4, variant="reference"), [1.260939, -0.192196, 0.098431, -1.167174])
     E_A = torch.tensor([[1., 0], [0.6, 0.8], [0.8, 0.6], [0, 1]])
     test(diversity_advantages(torch.tensor([1., 0, 1, 0]), E_A, 4), [0.865875, -0.865875, 0.865875, -0.865875])
-    test(diversity_advantages(torch.tensor([1., 0, 1, 0]), E_A, 4, variant="reference"), [1.318667, -0.879997, 0.221992, -0.660662])
+    test(diversity_advantages(torch.tensor([1., 0, 1, 0]), E_A, 4, variant="reference"),
+         [1.318667, -0.879997, 0.221992, -0.660662])
     # the reference rule's privileged first pick, and the credit's answer to it
-    test(diversity_advantages(torch.ones(4), torch.eye(4), 4, variant="reference"), [1.4994, -0.4998, -0.4998, -0.4998])  # eps 1e-4
+    test(diversity_advantages(torch.ones(4), torch.eye(4), 4, variant="reference"),
+         [1.4994, -0.4998, -0.4998, -0.4998])  # eps 1e-4
     test(diversity_advantages(torch.ones(4), torch.eye(4), 4), [0., 0, 0, 0])
 
 
 def random_groups(seed, n=400, G=6, D=4, binary=True):
     gen = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, 3 if binary else 5, (n, G), generator=gen).float() * (1 if binary else 0.25)   # ties are common
+    # ties are common
+    r = torch.randint(0, 3 if binary else 5, (n, G), generator=gen).float() * (1 if binary else 0.25)
     if binary: r = (r > 0).float()
     E = torch.randn(n, G, D, generator=gen)
     dup = torch.rand(n, generator=gen) < 0.5             # row 1 an exact copy of row 0 in half the groups
@@ -52,7 +55,9 @@ def redundancy(A, E):
     m = torch.zeros(n, G)
     for i in range(G):
         for j in range(G):
-            if i != j: m[:, i] = torch.where((A[:, i] > 1e-4) & (A[:, j] > 1e-4), torch.maximum(m[:, i], S[:, i, j].clamp(min=0)), m[:, i])
+            if i != j:
+                m[:, i] = torch.where((A[:, i] > 1e-4) & (A[:, j] > 1e-4),
+                                      torch.maximum(m[:, i], S[:, i, j].clamp(min=0)), m[:, i])
     return m
 
 
@@ -112,7 +117,8 @@ def test_winners_keep_their_total_push():
     credit, _ = credit_and_reference(r, E)
     A = group_advantages(r.flatten(), r.shape[1]).reshape(r.shape)
     pos = above_mean(A)
-    torch.testing.assert_close(torch.where(pos, credit, 0.).sum(1), torch.where(pos, A, 0.).sum(1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.where(pos, credit, 0.).sum(1), torch.where(pos, A, 0.).sum(1),
+                               atol=1e-4, rtol=1e-5)
 
 
 @settings(max_examples=200, deadline=None)
@@ -185,7 +191,8 @@ def test_cosine_reward_matches_the_formula():
 
 
 def test_credit_moved_is_zero_when_every_group_is_flat():
-    "All-equal groups (rewards whose float mean is not exact, e.g. 0.2) leave nothing to move: the metric is 0, not 0/0."
+    """All-equal groups (rewards whose float mean is not exact, e.g. 0.2) leave nothing to move: the metric is 0, not
+    0/0."""
     from mmrgrpo.step import advantages_for
     from mmrgrpo.sampling import Rollout
     ids = torch.ones(4, 1, dtype=torch.long)

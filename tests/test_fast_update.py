@@ -1,6 +1,6 @@
-"""The update's speed settings (`62_fast_update`, `62b_bf16_update`) change how, not what, it computes: the closed-form head gives the checkpointed
-chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches follow the update's dtype, and a run
-records what it applied and the whole process's peak memory."""
+"""The update's speed settings (`62_fast_update`, `62b_bf16_update`) change how, not what, it computes: the closed-form
+head gives the checkpointed chunk's loss and gradients, a bf16 base gives the autocast path's exactly, micro-batches
+follow the update's dtype, and a run records what it applied and the whole process's peak memory."""
 import copy, dataclasses, tempfile
 import pytest, torch
 from mmrgrpo.config import ConfigError, GRPOConfig, load_config
@@ -34,15 +34,16 @@ def one_update(tokenizer, c, bf16_base=False):
     class Keep(torch.optim.SGD):          # an optimizer that records the gradients it is given and steps nothing
         def step(self, closure=None):
             for i, p in enumerate(params): grads[i] = p.grad.detach().clone()
-    ro, adv, _ = prune(rollout(tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 1.5, -1.5]), c)  # CPPO where c asks
+    # CPPO where c asks
+    ro, adv, _ = prune(rollout(tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 1.5, -1.5]), c)
     metrics = update(policy, Keep(params, lr=0.0), ro, adv, c)
     return metrics["loss"], torch.cat([grads[i].flatten() for i in range(len(params))])
 
 
 def assert_grads_close(got, want):
     "Equal to fp32 rounding: each element within 1e-4 relative or 1e-5 of the largest gradient."
-    # sums in another order differ by ~1e-6 of the largest gradient on some CPUs (4e-7 of 0.098 on an AMD EPYC), far below
-    # what a wrong mask or position moves
+    # sums in another order differ by ~1e-6 of the largest gradient on some CPUs (4e-7 of 0.098 on an AMD EPYC), far
+    # below what a wrong mask or position moves
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
@@ -76,7 +77,8 @@ def test_bf16_base_stores_only_the_frozen_linears(tokenizer):
 
 
 def test_a_sampling_copy_merges_from_the_fp32_weights_of_a_bf16_base(tokenizer):
-    "An adapter's first steps are smaller than bf16's spacing: merged into a bf16 weight they round away; the copy must see them."
+    """An adapter's first steps are smaller than bf16's spacing: merged into a bf16 weight they round away; the copy
+    must see them."""
     from mmrgrpo.sampler_copy import CopyBackend
     def copy_of(policy):
         return CopyBackend(policy, tokenizer, copy_dtype=torch.bfloat16).model.model.layers[0].mlp.up_proj.weight
@@ -90,14 +92,19 @@ def test_a_sampling_copy_merges_from_the_fp32_weights_of_a_bf16_base(tokenizer):
     want, got = copy_of(fp32), copy_of(base16)
     layer = base16.base_model.model.model.layers[0].mlp.up_proj
     w16, delta = layer.base_layer.weight, layer.get_delta_weight("default").float()
-    kept = lambda w: ((w.float() - w16.float()) * delta.sign()).sum() / delta.abs().sum()    # the share of the delta a copy shows
-    assert kept((w16.float() + delta).bfloat16()) < 0.3               # merged into the bf16 weight alone: mostly rounded away
-    assert kept(want) > 0.9 and kept(got) > 0.9                       # from the fp32 base, and from full_weight: all of it
-    assert (got == want).float().mean() > 0.999                       # the same copy, to the rounding of the kept rounding
+    # the share of the delta a copy shows
+    kept = lambda w: ((w.float() - w16.float()) * delta.sign()).sum() / delta.abs().sum()
+    # merged into the bf16 weight alone: mostly rounded away
+    assert kept((w16.float() + delta).bfloat16()) < 0.3
+    # from the fp32 base, and from full_weight: all of it
+    assert kept(want) > 0.9 and kept(got) > 0.9
+    # the same copy, to the rounding of the kept rounding
+    assert (got == want).float().mean() > 0.999
 
 
 def test_a_bf16_base_runs_outside_autocast_too(tokenizer):
-    "The vLLM log-prob check and a user's own `model(...)` call the policy without autocast: the base casts in and back."
+    """The vLLM log-prob check and a user's own `model(...)` call the policy without autocast: the base casts in and
+    back."""
     policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
     ids = torch.randint(10, 1000, (2, 7))
     with torch.no_grad():
@@ -107,7 +114,8 @@ def test_a_bf16_base_runs_outside_autocast_too(tokenizer):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast = policy(input_ids=ids).logits
     assert plain.dtype == torch.float32 and not torch.equal(plain, fp32)    # the weights are bf16-rounded ...
-    assert torch.allclose(plain, fp32, atol=0.05) and torch.allclose(autocast.float(), fp32, atol=0.05)  # ... and only that
+    # ... and only that
+    assert torch.allclose(plain, fp32, atol=0.05) and torch.allclose(autocast.float(), fp32, atol=0.05)
     assert all(isinstance(m, torch.nn.Linear) for m in policy.modules() if type(m).__name__ == "BaseLinear16")
 
 
@@ -149,7 +157,8 @@ def test_micro_batches_follow_the_update_dtype(tokenizer):
     policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
     ro = rollout(tokenizer, groups=8, G=8, T=48)
     adv = torch.zeros(64)
-    sizes = {ac: [s.stop - s.start for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=ac), Phases(), {}).slices]
+    sizes = {ac: [s.stop - s.start
+                  for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=ac), Phases(), {}).slices]
              for ac in (False, True)}
     assert micro_batch_positions(torch.float32) == 1024 and micro_batch_positions(torch.bfloat16) == 1536
     assert sizes == {False: [16, 16, 16, 16], True: [32, 32]}
@@ -157,13 +166,15 @@ def test_micro_batches_follow_the_update_dtype(tokenizer):
 
 
 def test_packed_passes_count_the_counted_positions(tokenizer):
-    "Packed, a pass holds rows up to their last counted token, so short completions make fuller passes; padded, every row costs T."
+    """Packed, a pass holds rows up to their last counted token, so short completions make fuller passes; padded, every
+    row costs T."""
     policy = add_lora(tiny_random_model(tokenizer), GRPOConfig(lora_r=4))
     ro = rollout(tokenizer, groups=8, G=8, T=48)
     ro.completion_mask[:, 12:] = 0                                     # every completion ends at 12 tokens
     adv = torch.zeros(64)
-    sizes = {pack: [s.stop - s.start for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=False, pack_completions=pack),
-                                                           Phases(), {}).slices] for pack in (False, True)}
+    sizes = {pack: [s.stop - s.start
+                    for s in UpdateBatch(policy, None, ro, adv, GRPOConfig(autocast_bf16=False, pack_completions=pack),
+                                         Phases(), {}).slices] for pack in (False, True)}
     assert sizes == {False: [16, 16, 16, 16], True: [64]}             # 64 x 48 > 1,024 a pass; 64 x 12 = 768 fits
 
 def test_keep_freed_memory_where_glibc_is():
@@ -174,7 +185,8 @@ def test_keep_freed_memory_where_glibc_is():
 
 
 def test_trim_hands_kept_memory_back():
-    "Freed memory kept for reuse stays resident until `trim_freed_memory`; run in a process of its own (the setting is the process's)."
+    """Freed memory kept for reuse stays resident until `trim_freed_memory`; run in a process of its own (the setting is
+    the process's)."""
     import platform, subprocess, sys
     if not (platform.system() == "Linux" and "glibc" in platform.libc_ver()[0]): pytest.skip("glibc only")
     probe = """
@@ -182,13 +194,15 @@ import os, torch
 from mmrgrpo.fast_update import keep_freed_memory, trim_freed_memory
 rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20
 keep_freed_memory()
-small = [torch.ones(1 << 20) for _ in range(4)]     # something live above the big block, so it sits in the heap's middle
+# something live above the big block, so it sits in the heap's middle
+small = [torch.ones(1 << 20) for _ in range(4)]
 big = torch.ones(300 << 18); small.append(torch.ones(1 << 20)); del big
 kept = rss()
 trim_freed_memory()
 print(kept, rss())
 """
-    kept, trimmed = map(int, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
+    kept, trimmed = map(int, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                            check=True).stdout.split())
     assert kept - trimmed > 200                        # MiB: the freed 300 MiB block was resident, and is handed back
 
 
@@ -207,9 +221,11 @@ def test_a_run_records_its_settings_and_whole_peak(tokenizer):
     assert row["update/attention"] == "matmul"         # bf16 autocast on a CPU (`62a_matmul_attention`)
 
 
-@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}])
+@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5},
+                                     {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}])
 def test_packed_rows_give_the_padded_update(tokenizer, methods):
-    "`pack_completions` drops the pad positions; the loss and the adapters' gradients are the padded rows' to float rounding, with CPPO and GMTS on too."
+    """`pack_completions` drops the pad positions; the loss and the adapters' gradients are the padded rows' to float
+    rounding, with CPPO and GMTS on too."""
     c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, logp_chunk_size=7, **methods)
     loss_a, g_a = one_update(tokenizer, dataclasses.replace(c, pack_completions=False))
     loss_b, g_b = one_update(tokenizer, dataclasses.replace(c, pack_completions=True))
@@ -218,15 +234,17 @@ def test_packed_rows_give_the_padded_update(tokenizer, methods):
     assert g_a.abs().sum() > 0
 
 
-@pytest.mark.parametrize("change, packs", [({}, True), ({"pack_completions": False}, False), ({"share_prompt": False}, False),
-                                           ({"attn": "eager"}, False)])
+@pytest.mark.parametrize("change, packs", [({}, True), ({"pack_completions": False}, False),
+                                           ({"share_prompt": False}, False), ({"attn": "eager"}, False)])
 def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, packs):
-    "Packing needs each group's prompt cache (prompt sharing) and attention that reads a boolean 4-D mask as it is (sdpa)."
+    """Packing needs each group's prompt cache (prompt sharing) and attention that reads a boolean 4-D mask as it is
+    (sdpa)."""
     import mmrgrpo.fast_update as fast           # its speed-up's `pass_stats` hands the passes this function
     calls = []
     real = fast.packed_completion_stats
     monkeypatch.setattr(fast, "packed_completion_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
-    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.0, autocast_bf16=False, **{k: v for k, v in change.items() if k != "attn"})
+    c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.0, autocast_bf16=False,
+                   **{k: v for k, v in change.items() if k != "attn"})
     policy = add_lora(tiny_random_model(tokenizer, seed=0), c)
     if "attn" in change: policy.config._attn_implementation = change["attn"]
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -235,9 +253,11 @@ def test_the_update_packs_only_where_it_can(tokenizer, monkeypatch, change, pack
     assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 
-@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5}, {"pack_completions": False}])
+@pytest.mark.parametrize("methods", [{}, {"prune_rate": 0.5, "token_selection": "gmts", "keep_ratio": 0.5},
+                                     {"pack_completions": False}])
 def test_matmul_attention_gives_the_fused_kernels_update(tokenizer, monkeypatch, methods):
-    "`update_attention=matmul` (`62a_matmul_attention`) takes the packed passes' attention calls; loss and gradients are sdpa's to fp32 rounding."
+    """`update_attention=matmul` (`62a_matmul_attention`) takes the packed passes' attention calls; loss and gradients
+    are sdpa's to fp32 rounding."""
     import mmrgrpo.matmul_attention as ma
     calls = []
     real = ma.MatmulAttention.apply
@@ -262,10 +282,12 @@ def test_matmul_attention_in_bf16_is_within_bf16_rounding(tokenizer):
 
 
 def test_matmul_attention_is_not_for_checkpointed_layers():
-    "A checkpointed layer recomputes its forward in the backward pass, after the update's attention has been handed back."
+    """A checkpointed layer recomputes its forward in the backward pass, after the update's attention has been handed
+    back."""
     from mmrgrpo.matmul_attention import wants_matmul_attention
     with pytest.raises(ConfigError, match="update_attention=matmul with gradient_checkpointing"):
         load_config(model="tiny-random", update_attention="matmul", gradient_checkpointing=True)
-    assert not wants_matmul_attention(load_config(model="tiny-random", autocast_bf16=True, gradient_checkpointing=True), "cpu")
+    assert not wants_matmul_attention(
+        load_config(model="tiny-random", autocast_bf16=True, gradient_checkpointing=True), "cpu")
     with pytest.raises(ConfigError, match="update_attention"):
         load_config(model="tiny-random", update_attention="fast")

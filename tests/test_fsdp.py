@@ -3,8 +3,8 @@
 Launched once under `torchrun --standalone --nproc_per_node=2` (this very file), each process:
 - runs `update` on a sharded copy of the fixed batch of tests/test_distributed.py (its half of the groups) and saves the
   gradient it would apply, gathered whole; the test compares it with the 1-process gradient of the whole batch;
-- trains the tiny model 2 steps data-parallel (`sharding='none'`) and sharded, and once more sharded but stopped after step 1
-  and resumed; the test compares the trained weights and optimizer states;
+- trains the tiny model 2 steps data-parallel (`sharding='none'`) and sharded, and once more sharded but stopped after
+  step 1 and resumed; the test compares the trained weights and optimizer states;
 - trains sharded with `save_best` (its best-checkpoint is written through the same collective as every checkpoint).
 A second test launches the command line through `accelerate launch` with the shipped fsdp2 and ddp configs.
 """
@@ -13,19 +13,22 @@ from pathlib import Path
 import pytest, torch
 
 TESTS, ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))        # test_distributed and reward_fixtures import here and in children
+# test_distributed and reward_fixtures import here and in children
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 from test_distributed import B, G, make_batch, rollout_rows, case_config, small_llama
 
 KINDS, CASES = ("lora", "full"), ("grpo", "dapo+gmts")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-RUN = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0, save_every=1,
-           log_completions_every=0, learning_rate=1e-3, beta=0.04, autocast_bf16=False, reward_funcs=["reward_fixtures:varied"],
-           reward_weights=None, steps=2, sampler_dtype="policy")   # a sharded policy has no merged sampling copy (61_sampler_copy): neither arm
+# sampler_dtype="policy": a sharded policy has no merged sampling copy (61_sampler_copy): neither arm
+RUN = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=6, eval_size=0,
+           save_every=1, log_completions_every=0, learning_rate=1e-3, beta=0.04, autocast_bf16=False,
+           reward_funcs=["reward_fixtures:varied"], reward_weights=None, steps=2, sampler_dtype="policy")
 
 
 class WholeGradCapture:
-    "Stands in for the optimizer: keeps the gradient `update` would apply, whole (a sharded gradient is gathered), and moves nothing."
+    """Stands in for the optimizer: keeps the gradient `update` would apply, whole (a sharded gradient is gathered), and
+    moves nothing."""
     def __init__(self, params): self.params, self.grads = list(params), None
     def zero_grad(self, set_to_none=True):
         for p in self.params: p.grad = None
@@ -35,7 +38,8 @@ class WholeGradCapture:
 
 
 def policy(batch, kind):
-    "The batch's policy weights; 'lora': under a LoRA adapter whose B is not zero (so every adapter weight has a gradient)."
+    """The batch's policy weights; 'lora': under a LoRA adapter whose B is not zero (so every adapter weight has a
+    gradient)."""
     model = small_llama(0); model.load_state_dict(batch["policy"])
     if kind == "full": return model
     from peft import LoraConfig, get_peft_model
@@ -49,7 +53,8 @@ def run_update(batch, name, kind, rows, shard=False):
     from mmrgrpo.distributed import shard_model
     from mmrgrpo.step import update
     model, ref = policy(batch, kind), None
-    if kind == "full": ref = small_llama(1).requires_grad_(False); ref.load_state_dict(batch["ref"])   # LoRA: adapter off
+    # LoRA: adapter off
+    if kind == "full": ref = small_llama(1).requires_grad_(False); ref.load_state_dict(batch["ref"])
     if shard: shard_model(model)
     opt = WholeGradCapture(p for p in model.parameters() if p.requires_grad)
     if shard:     # sampling before the update, as in a run: a gradient-free forward leaves the root's weights gathered
@@ -82,7 +87,8 @@ def worker(out: Path):
         train(run_config(out / f"{kind}-resumed", kind, sharding="fsdp2"), progress=False, stop_after=1)
         torch.distributed.barrier()                          # rank 0 has written checkpoint-1
         train(run_config(out / f"{kind}-resumed", kind, sharding="fsdp2", resume_from="latest"), progress=False)
-    train(run_config(out / "lora-best", "lora", sharding="fsdp2", eval_size=2, eval_every=1, save_best=True), progress=False)
+    train(run_config(out / "lora-best", "lora", sharding="fsdp2", eval_size=2, eval_every=1, save_best=True),
+          progress=False)
     (out / f"seen-rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -92,8 +98,8 @@ def fsdp_run(tmp_path_factory, smollm2_path):
     out = tmp_path_factory.mktemp("fsdp")
     torch.save(make_batch(), out / "batch.pt")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)],
-                       env=ENV, capture_output=True, text=True, timeout=400)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                        str(out)], env=ENV, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(f"2-process FSDP run: {time.perf_counter() - t0:.1f} s")
     return out
@@ -109,7 +115,8 @@ def test_save_best_on_a_sharded_run(fsdp_run):
 
 def trained_weights(ck: Path) -> dict:
     from safetensors.torch import load_file
-    return load_file(ck / "adapter" / "adapter_model.safetensors") if (ck / "adapter").exists() else load_file(ck / "model" / "model.safetensors")
+    return (load_file(ck / "adapter" / "adapter_model.safetensors") if (ck / "adapter").exists()
+            else load_file(ck / "model" / "model.safetensors"))
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -139,12 +146,14 @@ def test_sharded_run_trains_what_data_parallel_trains_and_resumes_exactly(fsdp_r
         assert seen[f"{kind}-fsdp2"] == [True, "DTensor"] and seen[f"{kind}-none"][0] is False
     ddp, fsdp, resumed = (fsdp_run / f"{kind}-{s}" for s in ("none", "fsdp2", "resumed"))
     w = {p.name: trained_weights(p / "checkpoint-2") for p in (ddp, fsdp, resumed)}
-    assert max_diff(trained_weights(fsdp / "checkpoint-1"), w[fsdp.name]) > 1e-5        # the second step moved the weights
+    # the second step moved the weights
+    assert max_diff(trained_weights(fsdp / "checkpoint-1"), w[fsdp.name]) > 1e-5
     diff = max_diff(w[ddp.name], w[fsdp.name])
     print(f"{kind}: max |weights(DDP) - weights(FSDP2)| after 2 steps = {diff:.2e}")
     assert diff < 1e-6
     assert max_diff(w[fsdp.name], w[resumed.name]) == 0                                # resumed: the same run, exactly
-    opt = {p.name: torch.load(p / "checkpoint-2" / "training.pt", weights_only=True)["optimizer"] for p in (fsdp, resumed)}
+    opt = {p.name: torch.load(p / "checkpoint-2" / "training.pt", weights_only=True)["optimizer"]
+           for p in (fsdp, resumed)}
     a, b = opt[fsdp.name]["state"], opt[resumed.name]["state"]
     assert a.keys() == b.keys() and all(isinstance(k, str) for k in a)                 # whole, by parameter name
     assert all(torch.equal(a[k][s], b[k][s]) for k in a for s in a[k])
@@ -164,10 +173,13 @@ def test_accelerate_launch_with_the_fsdp2_config_trains_the_ddp_adapter(tmp_path
         outs[name] = tmp_path / name
         r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                             str(ROOT / "configs" / "accelerate" / f"{name}.yaml"), "-m", "mmrgrpo.cli", "train", *args,
-                            f"output_dir={outs[name]}"], env=ENV, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                            f"output_dir={outs[name]}"],
+                           env=ENV, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    fsdp, ddp = (torch.load(outs[n] / "checkpoint-2" / "training.pt", weights_only=True)["optimizer"]["state"] for n in ("fsdp2", "ddp"))
-    assert all(isinstance(k, str) for k in fsdp) and all(isinstance(k, int) for k in ddp)   # the fsdp2 launch really sharded
+    fsdp, ddp = (torch.load(outs[n] / "checkpoint-2" / "training.pt", weights_only=True)["optimizer"]["state"]
+                 for n in ("fsdp2", "ddp"))
+    # the fsdp2 launch really sharded
+    assert all(isinstance(k, str) for k in fsdp) and all(isinstance(k, int) for k in ddp)
     diff = max_diff(trained_weights(outs["fsdp2"] / "checkpoint-2"), trained_weights(outs["ddp"] / "checkpoint-2"))
     print(f"accelerate fsdp2 vs ddp: max |adapter difference| = {diff:.2e}")
     assert diff < 1e-6
@@ -179,11 +191,14 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("how", ["sharding", "accelerate"])
 def test_fsdp2_refuses_an_explicit_sampler_dtype(how, monkeypatch):
-    "A merged sampling copy (sampler_dtype=float32/bfloat16/float16) needs the whole weights: under FSDP2 it is refused at config time."
+    """A merged sampling copy (sampler_dtype=float32/bfloat16/float16) needs the whole weights: under FSDP2 it is
+    refused at config time."""
     from mmrgrpo.config import ConfigError, check_config, load_config
     kw = dict(model="tiny-random", sampler_dtype="float32", **({"sharding": "fsdp2"} if how == "sharding" else {}))
     if how == "accelerate": monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    c = load_config(**kw)                                       # one process: sharding changes nothing, so nothing to refuse
-    with pytest.raises(ConfigError, match=r"^sampler_dtype=float32 with FSDP2 sharding: .* use sampler_dtype=auto or policy$"):
+    # one process: sharding changes nothing, so nothing to refuse
+    c = load_config(**kw)
+    with pytest.raises(ConfigError,
+                       match=r"^sampler_dtype=float32 with FSDP2 sharding: .* use sampler_dtype=auto or policy$"):
         check_config(c, world_size=2)
     for ok in ("auto", "policy"): check_config(load_config(**{**kw, "sampler_dtype": ok}), world_size=2)

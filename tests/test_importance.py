@@ -1,7 +1,7 @@
-"""Truncated importance sampling for a sampler that is not the learner (`tis_cap`): a sampler equal to the learner changes
-nothing; a deliberately perturbed one gets the weights min(exp(delta), C), the logged clipped share, and the gradient of the
-loss weighted by hand; the config's auto/explicit/off cases; pruning keeps the sampler's log-probs of the kept rows; a run with
-(fake) vLLM applies and logs it by default."""
+"""Truncated importance sampling for a sampler that is not the learner (`tis_cap`): a sampler equal to the learner
+changes nothing; a deliberately perturbed one gets the weights min(exp(delta), C), the logged clipped share, and the
+gradient of the loss weighted by hand; the config's auto/explicit/off cases; pruning keeps the sampler's log-probs of
+the kept rows; a run with (fake) vLLM applies and logs it by default."""
 import math
 import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
@@ -22,7 +22,8 @@ def learner_logprobs(model, rollout, c) -> torch.Tensor:
 
 
 def perturbation(rollout) -> torch.Tensor:
-    "(N, T) delta = logp_learner - logp_sampler: -0.6 .. 1.2 in steps of 0.3, so some tokens lie above log 2 (0.69) and none on it."
+    """(N, T) delta = logp_learner - logp_sampler: -0.6 .. 1.2 in steps of 0.3, so some tokens lie above log 2 (0.69)
+    and none on it."""
     n = rollout.completion_mask.numel()
     return (((torch.arange(n) % 7) - 2) * 0.3).reshape(rollout.completion_mask.shape)
 
@@ -34,7 +35,8 @@ def test_a_sampler_equal_to_the_learner_changes_no_gradient(tmp_path):
     rollout.sampler_logprobs = learner_logprobs(model, rollout, on)
     grads_on, m_on = _run_update(on, model, rollout, ADV)
     grads_off, m_off = _run_update(off, model, rollout, ADV)
-    assert "is/ratio_mean" in m_on and "is/ratio_mean" not in m_off          # the weights were applied, and only with the cap on
+    # the weights were applied, and only with the cap on
+    assert "is/ratio_mean" in m_on and "is/ratio_mean" not in m_off
     assert m_on["is/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m_on["is/clipped_frac"] == 0.0
     _assert_same_grads(grads_on, grads_off)
 
@@ -53,7 +55,8 @@ def test_a_perturbed_sampler_gets_capped_weights_and_the_hand_weighted_gradient(
     assert torch.equal(capped, (delta > math.log(CAP)) & mask) and capped.any() and (mask & ~capped).any()
 
     grads, metrics = _run_update(c, model, rollout, ADV)        # lr 0: every iteration sees the same weights
-    assert metrics["is/clipped_frac"] == pytest.approx(((delta > math.log(CAP)) & mask).sum().item() / mask.sum().item())
+    assert metrics["is/clipped_frac"] == pytest.approx(((delta > math.log(CAP)) & mask).sum().item()
+                                                       / mask.sum().item())
     assert metrics["is/ratio_mean"] == pytest.approx(delta.exp()[mask].mean().item(), rel=1e-5)
 
     # by hand: on-policy the ratio r is 1 (inside the clip range), so the grpo loss is mean_i mean_t -w * r * A_i
@@ -76,11 +79,13 @@ def test_cap_settings(tmp_path):
         _config(tmp_path, generation_backend="vllm", tis_cap=-0.5)
     with pytest.raises(ConfigError, match="tis_cap=2.0 with generation_backend=hf and sampler_dtype=policy"):
         _config(tmp_path, tis_cap=2, sampler_dtype="policy")
-    assert _config(tmp_path, tis_cap=2, sampler_dtype="bfloat16").tis_cap_ == CAP    # a bf16 copy samples: it can be corrected
+    # a bf16 copy samples: it can be corrected
+    assert _config(tmp_path, tis_cap=2, sampler_dtype="bfloat16").tis_cap_ == CAP
 
 
 def test_a_merged_copy_records_its_own_logprobs(tmp_path):
-    "The hf backend on a merged copy (61_sampler_copy) records each drawn token's log-prob; an fp32 copy's are the learner's own."
+    """The hf backend on a merged copy (61_sampler_copy) records each drawn token's log-prob; an fp32 copy's are the
+    learner's own."""
     import dataclasses
     from mmrgrpo.sampling import HFBackend
     from mmrgrpo.sampler_copy import CopyBackend
@@ -89,23 +94,32 @@ def test_a_merged_copy_records_its_own_logprobs(tmp_path):
     c = dataclasses.replace(_config(tmp_path), temperature=0.7)
     model = add_lora(tiny_random_model(tok, seed=0), c)
     prompts = ["What is 2 + 3?", "Name a colour."]
-    ro = CopyBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    ro = CopyBackend(model, tok, copy_dtype=torch.float32,
+                     record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
     assert ro.sampler_logprobs is not None and ro.sampler_logprobs.shape == ro.completion_mask.shape
-    assert (ro.sampler_logprobs[ro.completion_mask == 0] == 0).all() and (ro.sampler_logprobs[ro.completion_mask == 1] < 0).all()
+    assert ((ro.sampler_logprobs[ro.completion_mask == 0] == 0).all()
+            and (ro.sampler_logprobs[ro.completion_mask == 1] < 0).all())
     assert torch.allclose(ro.sampler_logprobs, learner_logprobs(model, ro, c), atol=1e-4)
-    bf16 = CopyBackend(model, tok, copy_dtype=torch.bfloat16, record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
+    bf16 = CopyBackend(model, tok, copy_dtype=torch.bfloat16,
+                       record_logprobs=True).generate(prompts, 3, 6, temperature=0.7, seed=1)
     gap = (bf16.sampler_logprobs - learner_logprobs(model, bf16, c)).abs()[bf16.completion_mask.bool()]
-    assert 0 < gap.max() < 0.5                                                   # close, not equal: the mismatch tis_cap corrects
-    assert HFBackend(model, tok).generate(prompts, 3, 6, seed=1).sampler_logprobs is None           # the policy itself: none
-    assert CopyBackend(model, tok, copy_dtype=torch.float32, record_logprobs=True).generate(prompts, 3, 6, greedy=True).sampler_logprobs is None
-    assert CopyBackend(model, tok, copy_dtype=torch.float32).generate(prompts, 3, 6, seed=1).sampler_logprobs is None    # not asked
+    # close, not equal: the mismatch tis_cap corrects
+    assert 0 < gap.max() < 0.5
+    # the policy itself: none
+    assert HFBackend(model, tok).generate(prompts, 3, 6, seed=1).sampler_logprobs is None
+    assert CopyBackend(model, tok, copy_dtype=torch.float32,
+                       record_logprobs=True).generate(prompts, 3, 6, greedy=True).sampler_logprobs is None
+    # not asked
+    assert CopyBackend(model, tok, copy_dtype=torch.float32).generate(prompts, 3, 6, seed=1).sampler_logprobs is None
 
 
 def test_a_bf16_copy_run_with_a_cap_weights_and_logs(tmp_path):
-    "tis_cap with the hf backend on a bf16 sampling copy: the trainer records the copy's log-probs and applies the weights."
+    """tis_cap with the hf backend on a bf16 sampling copy: the trainer records the copy's log-probs and applies the
+    weights."""
     res = train(_config(tmp_path, steps=2, tis_cap=2, sampler_dtype="bfloat16", reward_funcs=["reward_fixtures:varied"],
                         reward_weights=None), progress=False)
-    assert res.backend.record_logprobs and all("is/ratio_mean" in r and 0.5 < r["is/ratio_mean"] < 2 for r in res.metrics)
+    assert res.backend.record_logprobs and all("is/ratio_mean" in r and 0.5 < r["is/ratio_mean"] < 2
+                                               for r in res.metrics)
 
 
 def test_an_explicit_cap_needs_the_samplers_logprobs_and_auto_does_not(tmp_path):
@@ -119,8 +133,10 @@ def test_an_explicit_cap_needs_the_samplers_logprobs_and_auto_does_not(tmp_path)
 
 def test_pruning_keeps_the_samplers_logprobs_of_the_kept_rows(tmp_path):
     rollout = _rollout()
-    rollout.sampler_logprobs = -torch.arange(rollout.completion_mask.numel(), dtype=torch.float).reshape(rollout.completion_mask.shape)
-    keep = torch.tensor([False, True, False, False, False, False, True, False])     # the two short completions: 3 and 2 tokens
+    rollout.sampler_logprobs = -torch.arange(rollout.completion_mask.numel(),
+                                             dtype=torch.float).reshape(rollout.completion_mask.shape)
+    # the two short completions: 3 and 2 tokens
+    keep = torch.tensor([False, True, False, False, False, False, True, False])
     kept = rollout.select(keep)
     t = kept.completion_mask.shape[1]
     assert t == 3 < rollout.completion_mask.shape[1]                                  # the padding columns were trimmed
@@ -129,11 +145,13 @@ def test_pruning_keeps_the_samplers_logprobs_of_the_kept_rows(tmp_path):
 
 
 def test_a_vllm_run_weights_its_tokens_and_logs_it(fake_vllm, tmp_path):
-    "End to end with the fake engine: the trainer applies the correction by default and logs it; tis_cap=0 turns it off."
+    """End to end with the fake engine: the trainer applies the correction by default and logs it; tis_cap=0 turns it
+    off."""
     base = dict(model="tiny-random", lora=False, beta=0.0, generation_backend="vllm", steps=1, num_generations=4,
                 prompts_per_step=2, max_completion_length=6, eval_size=0, save_every=0, log_completions_every=0)
     row = train(load_config(**base, output_dir=str(tmp_path / "on")), progress=False).metrics[0]
-    # a random model gives a token about 1/49152 (log-prob -10.8), the fake sampler e^-1: ratios near e^-9.8, none capped
+    # a random model gives a token about 1/49152 (log-prob -10.8), the fake sampler e^-1: ratios near e^-9.8, none
+    # capped
     assert row["is/clipped_frac"] == 0 and 0 < row["is/ratio_mean"] < 1e-2
     row = train(load_config(**base, tis_cap=0, output_dir=str(tmp_path / "off")), progress=False).metrics[0]
     assert not any(k.startswith("is/") for k in row)

@@ -1,6 +1,6 @@
-"""The lessons form one story: read in file-name order, a notebook imports only modules that an earlier notebook (or itself)
-has built, and so does each package module. Also: every module is built by exactly one notebook, and the README's table of
-notebooks lists every notebook in file-name order with the module it builds."""
+"""The lessons form one story: read in file-name order, a notebook imports only modules that an earlier notebook (or
+itself) has built, and so does each package module. Also: every module is built by exactly one notebook, and the
+README's table of notebooks lists every notebook in file-name order with the module it builds."""
 import ast, json, re
 from pathlib import Path
 import pytest
@@ -15,7 +15,8 @@ FROM_PACKAGE = re.compile(r"^\s*from\s+mmrgrpo\s+import\s+\(?([\w ,]+)", re.M)
 
 def lesson_order() -> list:
     "Every notebook, in reading order: nbs/*.ipynb by file name (index.ipynb is the README), then nbs/tutorials/."
-    return [p for p in sorted(NBS.glob("*.ipynb")) if p.name != "index.ipynb"] + sorted((NBS / "tutorials").glob("*.ipynb"))
+    return ([p for p in sorted(NBS.glob("*.ipynb")) if p.name != "index.ipynb"]
+            + sorted((NBS / "tutorials").glob("*.ipynb")))
 
 
 def code_cells(path: Path) -> list:
@@ -75,7 +76,8 @@ def test_notebooks_import_only_what_earlier_notebooks_built():
 
 def test_modules_import_only_modules_of_earlier_notebooks():
     rank = {m: i for i, (_, m, _) in enumerate(story()) if m}
-    late = [(m, dep) for m in MODULES for dep in sorted(relative_imports(ROOT / "mmrgrpo" / f"{m}.py")) if rank[dep] > rank[m]]
+    late = [(m, dep) for m in MODULES for dep in sorted(relative_imports(ROOT / "mmrgrpo" / f"{m}.py"))
+            if rank[dep] > rank[m]]
     assert late == []
 
 
@@ -84,7 +86,8 @@ def test_the_checks_catch_a_forward_reference():
     a, b = ("10_a.ipynb", "a", set()), ("11_b.ipynb", "b", {"a"})
     assert forward_references([a, b]) == []
     assert forward_references([b, a]) == [("11_b.ipynb", "a")]
-    assert used_modules('x = "mmrgrpo.sampling:HFBackend"\nfrom mmrgrpo import config, nothing_real') == {"sampling", "config"}
+    assert (used_modules('x = "mmrgrpo.sampling:HFBackend"\nfrom mmrgrpo import config, nothing_real')
+            == {"sampling", "config"})
     assert "mmrgrpo.github" not in used_modules("see https://mmrgrpo.github.io/mmrgrpo/")
 
 
@@ -101,7 +104,8 @@ def test_readme_table_lists_the_notebooks_in_order():
 
 
 def long_without_reason(lines: list, limit: int) -> bool:
-    "More than `limit` lines, and no comment among the first three that says why (it names its length: '... lines ...')."
+    """More than `limit` lines, and no comment among the first three that says why (it names its length:
+    '... lines ...')."""
     return len(lines) > limit and not any(l.lstrip().startswith("#") and "lines" in l for l in lines[:3])
 
 
@@ -139,14 +143,15 @@ def test_every_notebook_opens_with_a_summary():
     assert missing == []
 
 
-# the appendix after the command line: CPU speed (a KV cache with room, the sampling copy and its fused decoder, the fast
-# update and its attention and bf16 parts), the reward's worker processes, and vLLM
+# the appendix after the command line: CPU speed (a KV cache with room, the sampling copy and its fused decoder, the
+# fast update and its attention and bf16 parts), the reward's worker processes, and vLLM
 SPEED_AND_SCALE = {"kvcache", "sampler_copy", "fused_decode", "fast_update", "matmul_attention", "bf16_update",
                    "verifier_pool", "vllm_backend"}
 
 
 def test_the_speed_part_comes_after_the_trainer_and_the_cli():
-    "The main path reads plain GRPO -> the methods -> the trainer -> the CLI; every appendix notebook comes after them all."
+    """The main path reads plain GRPO -> the methods -> the trainer -> the CLI; every appendix notebook comes after them
+    all."""
     order = story()
     last_main = max(i for i, (_, m, _) in enumerate(order) if m in ("trainer", "cli"))
     early = [name for name, m, _ in order[:last_main] if m in SPEED_AND_SCALE]
@@ -163,5 +168,6 @@ def test_the_main_path_uses_no_appendix_module():
 
 
 def test_the_path_opens_with_a_grpo_step():
-    "The first lesson takes a whole GRPO step, and builds and uses no module of the package, so nothing has to come before it."
+    """The first lesson takes a whole GRPO step, and builds and uses no module of the package, so nothing has to come
+    before it."""
     assert story()[0] == ("01_grpo_step.ipynb", None, set())

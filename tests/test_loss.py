@@ -81,9 +81,10 @@ def test_chunking_bounds_memory_and_is_exact():
 
 @pytest.mark.parametrize("group_size", [1, 2])
 def test_eager_and_sdpa_attention_agree_with_padding(tokenizer, group_size):
-    """Left-padded prompts (some query positions see only padding) give finite, equal log-probs and gradients under both kernels.
-    In float32 (and bf16): in float64, transformers' eager attention takes the softmax in float32, where float64's mask minimum
-    becomes -inf, so fully padded query rows come out NaN. That is transformers', and nobody trains in float64."""
+    """Left-padded prompts (some query positions see only padding) give finite, equal log-probs and gradients under both
+    kernels. In float32 (and bf16): in float64, transformers' eager attention takes the softmax in float32, where
+    float64's mask minimum becomes -inf, so fully padded query rows come out NaN. That is transformers', and nobody
+    trains in float64."""
     from mmrgrpo.models import tiny_random_model
     torch.manual_seed(0)
     N, P, T = 4, 6, 5
@@ -110,18 +111,24 @@ def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     from mmrgrpo.rewards import compute_rewards, format_reward
     from mmrgrpo.safety import pruned_count
     from mmrgrpo.tokens import select_tokens
-    with pytest.raises(ValueError, match="rewards hold 1 non-finite"): group_advantages(torch.tensor([1., math.nan, 0., 1.]), 4)
+    with pytest.raises(ValueError, match="rewards hold 1 non-finite"):
+        group_advantages(torch.tensor([1., math.nan, 0., 1.]), 4)
     with pytest.raises(ValueError, match="group_size=1"): group_advantages(torch.ones(4), 1)
-    with pytest.raises(ValueError, match="counts cannot be negative"): aggregate_loss(torch.ones(2, 3), torch.ones(2, 3), num_sequences=-1)
+    with pytest.raises(ValueError, match="counts cannot be negative"):
+        aggregate_loss(torch.ones(2, 3), torch.ones(2, 3), num_sequences=-1)
     with pytest.raises(ValueError, match="cap=0"): truncated_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
-    with pytest.raises(ValueError, match="one mask entry per score"): select_tokens(torch.rand(4, 5), torch.ones(1, 5), 2, keep_ratio=1.0)
-    with pytest.raises(ValueError, match=r"reward weights \[nan\]"): compute_rewards([format_reward], [math.nan], ["p"], ["c"], {})
-    assert pruned_count(10, np.float32(0.7)) == 7 and pruned_count(10, torch.tensor(0.7)) == 7       # a float32 0.7 is 7/10
+    with pytest.raises(ValueError, match="one mask entry per score"):
+        select_tokens(torch.rand(4, 5), torch.ones(1, 5), 2, keep_ratio=1.0)
+    with pytest.raises(ValueError, match=r"reward weights \[nan\]"):
+        compute_rewards([format_reward], [math.nan], ["p"], ["c"], {})
+    # a float32 0.7 is 7/10
+    assert pruned_count(10, np.float32(0.7)) == 7 and pruned_count(10, torch.tensor(0.7)) == 7
     assert int(keep_mask(torch.randn(10), 10, torch.tensor(0.7)).sum()) == 3
 
 
 def test_lists_work_as_tensors_and_what_is_no_number_is_named():
-    "The algorithm functions take plain lists (or numpy arrays) as a notebook user types them, and refuse the rest by name."
+    """The algorithm functions take plain lists (or numpy arrays) as a notebook user types them, and refuse the rest by
+    name."""
     import numpy as np
     from mmrgrpo.mmr import dra_reweight, mmr_reweight, mmr_reweight_groups, similarity_matrix
     from mmrgrpo.diversity import diversity_advantages
@@ -141,14 +148,18 @@ def test_lists_work_as_tensors_and_what_is_no_number_is_named():
     with pytest.raises(TypeError, match="group_size=2.0"): similarity_matrix(Et, 2.0)
     # DRA: completions pointing apart would divide a reward by a similarity sum of zero (inf); negative counts as unlike
     assert torch.equal(dra_reweight([1., 0.], [[1., 0.], [-1., 0.]], 2), torch.tensor([1., 0.]))
-    # rewards: a string of completions was scored character by character; lists of unequal length reached the reward functions
-    with pytest.raises(TypeError, match="completions is one string"): compute_rewards([format_reward], None, ["p"] * 3, "abc", {})
-    with pytest.raises(ValueError, match="one entry per completion"): compute_rewards([format_reward], None, ["p", "q"], ["c"], {})
+    # rewards: a string of completions was scored character by character; lists of unequal length reached the reward
+    # functions
+    with pytest.raises(TypeError, match="completions is one string"):
+        compute_rewards([format_reward], None, ["p"] * 3, "abc", {})
+    with pytest.raises(ValueError, match="one entry per completion"):
+        compute_rewards([format_reward], None, ["p", "q"], ["c"], {})
     with pytest.raises(ValueError, match="max_len=0"): length_scaled(True, 5, max_len=0)
 
 
 def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
-    "Found by a second round of careless calls: each returned a plausible number (often token 0, end-of-text) without a word."
+    """Found by a second round of careless calls: each returned a plausible number (often token 0, end-of-text) without
+    a word."""
     from mmrgrpo.data import DataError, load_tasks
     from mmrgrpo.pruning import keep_mask
     from mmrgrpo.rewards import compute_rewards
@@ -156,49 +167,65 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     from mmrgrpo.tokens import select_tokens
     from mmrgrpo.rewards import accuracy_reward
     logits = torch.randn(3, 100)
-    with pytest.raises(ValueError, match="temperature=0"): sample_tokens(logits, 0.0)            # was token 0 on every row
+    # was token 0 on every row
+    with pytest.raises(ValueError, match="temperature=0"): sample_tokens(logits, 0.0)
     with pytest.raises(ValueError, match="top_p=0"): sample_tokens(logits, 1.0, 0.0)
     with pytest.raises(ValueError, match=r"row\(s\) \[0\] hold NaN"): sample_tokens(torch.tensor([[1., math.nan, 3.]]))
-    with pytest.raises(ValueError, match=r"row\(s\) \[0\]"): sample_tokens(torch.full((2, 4), -math.inf).index_fill(0, torch.tensor([1]), 0.))
-    assert sample_tokens(torch.tensor([[0., 50., 0.]]), 1.0, 1.0).item() == 1                  # a finite row still samples
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\]"):
+        sample_tokens(torch.full((2, 4), -math.inf).index_fill(0, torch.tensor([1]), 0.))
+    # a finite row still samples
+    assert sample_tokens(torch.tensor([[0., 50., 0.]]), 1.0, 1.0).item() == 1
     r = Rollout(["p0", "p0", "p1", "p1"], [f"c{i}" for i in range(4)], torch.ones(4, 3, dtype=torch.long),
-                torch.ones(4, 3, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), 2)
-    with pytest.raises(TypeError, match="keep: a bool tensor"): r.select(torch.tensor([1, 0, 1, 0]))   # texts and ids disagreed
+                torch.ones(4, 3, dtype=torch.long), torch.ones(4, 4, dtype=torch.long),
+                torch.ones(4, 4, dtype=torch.long), 2)
+    # texts and ids disagreed
+    with pytest.raises(TypeError, match="keep: a bool tensor"): r.select(torch.tensor([1, 0, 1, 0]))
     assert r.select(torch.tensor([True, False, True, False])).completions == ["c0", "c2"]
-    with pytest.raises(TypeError, match="one string"): accuracy_reward(["q", "q"], ["\\boxed{12}"] * 2, "12")    # golds "1" and "2"
+    # golds "1" and "2"
+    with pytest.raises(TypeError, match="one string"): accuracy_reward(["q", "q"], ["\\boxed{12}"] * 2, "12")
     with pytest.raises(TypeError, match="answer is one string"):
         compute_rewards([accuracy_reward], None, ["q", "q"], ["\\boxed{12}"] * 2, {"answer": "12"})
-    with pytest.raises(DataError, match="no 'Train' split"): load_tasks("arithmetic:1", "Train", limit=3)      # was the test set
+    # was the test set
+    with pytest.raises(DataError, match="no 'Train' split"): load_tasks("arithmetic:1", "Train", limit=3)
     assert load_tasks("arithmetic:1", "validation", limit=3) == load_tasks("arithmetic:1", "test", limit=3)
     (tmp_path / "t.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
     assert load_tasks(tmp_path / "t.jsonl")[0]["answer"] == "2"                  # a pathlib.Path is a path
     lp = -torch.rand(3, 3)
     with pytest.raises(ValueError, match="advantages are"): per_token_loss(lp, lp + .1, torch.tensor([[1., 0., -1.]]))
-    with pytest.raises(ValueError, match="not its bounds"): per_token_loss(lp, lp, torch.ones(3), eps_low=-0.2)   # inverted the clip range
+    # inverted the clip range
+    with pytest.raises(ValueError, match="not its bounds"): per_token_loss(lp, lp, torch.ones(3), eps_low=-0.2)
     with pytest.raises(ValueError, match="beta=-0.1"): per_token_loss(lp, lp, torch.ones(3), logp_ref=lp, beta=-0.1)
     scores = torch.tensor([[math.nan, math.nan, .9, .3], [.2, .8, 0., .4]])
     with pytest.raises(ValueError, match="token scores hold 2"): select_tokens(scores, torch.ones(2, 4), 2, 0.25)
-    assert select_tokens(scores, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, 0.5).sum() == 3     # NaN at padding: fine
+    # NaN at padding: fine
+    assert select_tokens(scores, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, 0.5).sum() == 3
     with pytest.raises(ValueError, match="advantages hold 1"): keep_mask(torch.tensor([math.nan, 1., 0., -1.]), 4, 0.5)
     # and raw errors deep inside that now name the argument (or take the obvious meaning)
     from mmrgrpo.pruning import kept_count
     from mmrgrpo.safety import pruned_count
     from mmrgrpo.sampling import completion_mask
-    for bad in (math.nan, math.inf, None, "0.5", [0.5]):            # was "Invalid literal for Fraction", or float()'s TypeError
+    # was "Invalid literal for Fraction", or float()'s TypeError
+    for bad in (math.nan, math.inf, None, "0.5", [0.5]):
         with pytest.raises(ValueError, match="prune_rate=.*a number in"): pruned_count(10, bad)
     with pytest.raises(TypeError, match="group_size=2.5"): kept_count(2.5, 0.5)                   # was 1.5 completions
     with pytest.raises(TypeError, match="group_size=2.0"): select_tokens(torch.rand(4, 3), torch.ones(4, 3), 2.0, 0.5)
-    assert completion_mask(torch.tensor([[5, 2, 7]]), 2).tolist() == [[1, 1, 0]]                    # one end-of-sequence id
+    # one end-of-sequence id
+    assert completion_mask(torch.tensor([[5, 2, 7]]), 2).tolist() == [[1, 1, 0]]
     from mmrgrpo.data import tasks_for_step
     from mmrgrpo.models import load_tokenizer, resolve_model
     from mmrgrpo.prompts import check_prompt_lengths, format_prompt
     tok = load_tokenizer(resolve_model("smollm2"))
-    with pytest.raises(DataError, match="pass task_source"): tasks_for_step("arithmetic:1", 0, 2)   # was a dict-update error
-    with pytest.raises(TypeError, match="shots a list of"): format_prompt(tok, "Q", shots=[{"question": "a", "answer": "b"}])
-    with pytest.raises(TypeError, match="one string"): check_prompt_lengths(tok, "abc def", 1)       # one index per character
+    # was a dict-update error
+    with pytest.raises(DataError, match="pass task_source"): tasks_for_step("arithmetic:1", 0, 2)
+    with pytest.raises(TypeError, match="shots a list of"):
+        format_prompt(tok, "Q", shots=[{"question": "a", "answer": "b"}])
+    # one index per character
+    with pytest.raises(TypeError, match="one string"): check_prompt_lengths(tok, "abc def", 1)
     assert check_prompt_lengths(tok, [], 2) == []
     from mmrgrpo.loss import loss_weights
-    assert torch.equal(select_tokens(scores.nan_to_num(), torch.ones(2, 4), [0, 1], 0.5),      # group ids typed as a list
+    # group ids typed as a list
+    assert torch.equal(select_tokens(scores.nan_to_num(), torch.ones(2, 4), [0, 1], 0.5),
                        select_tokens(scores.nan_to_num(), torch.ones(2, 4), torch.tensor([0, 1]), 0.5))
-    with pytest.raises(ValueError, match="one id >= 0 per row"): select_tokens(torch.rand(2, 4), torch.ones(2, 4), torch.tensor([0, -1]), 0.5)
+    with pytest.raises(ValueError, match="one id >= 0 per row"):
+        select_tokens(torch.rand(2, 4), torch.ones(2, 4), torch.tensor([0, -1]), 0.5)
     with pytest.raises(ValueError, match="not their lengths"): loss_weights(torch.tensor([2, 0, 3]))   # was tensor(0.2)

@@ -1,5 +1,6 @@
-"""The transformers backend's own decode loop (`HFBackend.decode`): greedy completions equal transformers' `generate` token for
-token, seeded sampling is reproducible and draws what the `generate` path draws, and finished rows really leave the batch."""
+"""The transformers backend's own decode loop (`HFBackend.decode`): greedy completions equal transformers' `generate`
+token for token, seeded sampling is reproducible and draws what the `generate` path draws, and finished rows really
+leave the batch."""
 import inspect
 import pytest, torch
 from mmrgrpo.kvcache import reserve_cache
@@ -13,14 +14,15 @@ def chat(tok, q):
 @pytest.fixture()
 def prompts(tokenizer):
     "Three chat prompts of different lengths (so two are left-padded)."
-    return [chat(tokenizer, "What is 2 + 3?"), chat(tokenizer, "Name a prime number larger than ten, please, and say why."),
+    return [chat(tokenizer, "What is 2 + 3?"),
+            chat(tokenizer, "Name a prime number larger than ten, please, and say why."),
             chat(tokenizer, "Hi")]
 
 
 @pytest.fixture()
 def many_stops(tiny_model):
-    """The tiny random model with livelier weights (its greedy output is not one repeated token) and every fifth token id a stop
-    id, so completions end at many different lengths, greedy or sampled."""
+    """The tiny random model with livelier weights (its greedy output is not one repeated token) and every fifth token
+    id a stop id, so completions end at many different lengths, greedy or sampled."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in tiny_model.parameters():
@@ -32,16 +34,19 @@ def many_stops(tiny_model):
 def reference(model, tok, backend, prompts, G, max_new_tokens):
     "transformers' own greedy loop, untouched: every prompt repeated G times, no shared prefill."
     enc = backend.tokenize(prompts)
-    out = model.generate(input_ids=enc.input_ids.repeat_interleave(G, 0), attention_mask=enc.attention_mask.repeat_interleave(G, 0),
+    out = model.generate(input_ids=enc.input_ids.repeat_interleave(G, 0),
+                         attention_mask=enc.attention_mask.repeat_interleave(G, 0),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=backend.eos_ids,
                          pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
     return out[:, enc.input_ids.shape[1]:]
 
 
 def count_forward_rows(model):
-    "A list that collects the batch size of every forward call of `model`'s body, prefill included (and the hook handle)."
+    """A list that collects the batch size of every forward call of `model`'s body, prefill included (and the hook
+    handle)."""
     rows = []
-    h = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    h = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                                      with_kwargs=True)
     return rows, h
 
 
@@ -62,7 +67,8 @@ def test_greedy_equals_transformers_generate_smollm2(smollm2_path, tokenizer):
     prompts = [chat(tokenizer, "What is 2+2? Reply with just the digit."), chat(tokenizer, "Say yes.")]
     b = HFBackend(model, tokenizer)
     ro = b.generate(prompts, num_generations=2, max_new_tokens=12, greedy=True)
-    assert ro.truncated.tolist() == [False, False, True, True]             # '2 + 2 = 4' ends after 8 tokens, the other runs on
+    # '2 + 2 = 4' ends after 8 tokens, the other runs on
+    assert ro.truncated.tolist() == [False, False, True, True]
     assert torch.equal(ro.completion_ids, reference(model, tokenizer, b, prompts, 2, 12))
 
 
@@ -78,7 +84,8 @@ def test_sampling_is_seeded_and_draws_what_generate_draws(many_stops, tokenizer,
     assert len(set(new.completion_mask.sum(-1).tolist())) > 2                # rows leave the batch at many steps
     again = HFBackend(many_stops, tokenizer).generate(prompts, 4, 12, temperature=1.3, seed=7)
     assert torch.equal(new.completion_ids, again.completion_ids)
-    assert not torch.equal(new.completion_ids, HFBackend(many_stops, tokenizer).generate(prompts, 4, 12, 1.3, seed=8).completion_ids)
+    assert not torch.equal(new.completion_ids,
+                           HFBackend(many_stops, tokenizer).generate(prompts, 4, 12, 1.3, seed=8).completion_ids)
     # one uniform draw per output row and step, as in transformers' loop: same seed, same completions on either path
     old = HFBackend(many_stops, tokenizer, drop_finished=False).generate(prompts, 4, 12, temperature=1.3, seed=7)
     for f in ("completion_ids", "completion_mask", "prompt_ids", "prompt_mask"):
@@ -86,13 +93,15 @@ def test_sampling_is_seeded_and_draws_what_generate_draws(many_stops, tokenizer,
     assert new.completions == old.completions
     nucleus = HFBackend(many_stops, tokenizer).generate(prompts, 4, 12, top_p=0.5, seed=7)
     assert torch.equal(nucleus.completion_ids,
-                       HFBackend(many_stops, tokenizer, drop_finished=False).generate(prompts, 4, 12, top_p=0.5, seed=7).completion_ids)
+                       HFBackend(many_stops, tokenizer, drop_finished=False)
+                       .generate(prompts, 4, 12, top_p=0.5, seed=7).completion_ids)
 
 
 def test_finished_rows_leave_the_batch(many_stops, tokenizer, prompts):
     G, T = 4, 12
     counts = {}
-    for name, kw in {"old": dict(drop_finished=False), "every": dict(compact_at=0.0), "quarter": dict(compact_at=0.25)}.items():
+    for name, kw in {"old": dict(drop_finished=False), "every": dict(compact_at=0.0),
+                     "quarter": dict(compact_at=0.25)}.items():
         rows, h = count_forward_rows(many_stops)
         try: ro = HFBackend(many_stops, tokenizer, **kw).generate(prompts, G, T, seed=1)
         finally: h.remove()
@@ -101,7 +110,8 @@ def test_finished_rows_leave_the_batch(many_stops, tokenizer, prompts):
     lengths = ro.completion_mask.sum(-1)
     assert not ro.truncated.all() and lengths.max() > lengths.min()
     assert counts["old"] == len(lengths) * ro.completion_ids.shape[1]     # every row to the longest completion
-    assert counts["every"] == int(lengths.sum())                          # each row exactly until its end-of-sequence token
+    # each row exactly until its end-of-sequence token
+    assert counts["every"] == int(lengths.sum())
     assert counts["every"] <= counts["quarter"] < counts["old"]
 
 
@@ -123,7 +133,8 @@ def test_reserved_cache_keeps_selected_rows(tiny_model):
     assert torch.equal(cache.layers[0].keys, k[[0, 3, 2]]) and cache.layers[0]._k.shape[0] == 3
     cache.batch_select_indices(torch.tensor([2, 0]))
     assert torch.equal(cache.layers[0].keys, k[[2, 0]])
-    out = tiny_model(input_ids=ids[[2, 0], :1], use_cache=True, **{cache_kwarg(tiny_model): cache})   # room left: in place
+    # room left: in place
+    out = tiny_model(input_ids=ids[[2, 0], :1], use_cache=True, **{cache_kwarg(tiny_model): cache})
     assert output_cache(out).layers[0].keys.shape[-2] == 7
 
 

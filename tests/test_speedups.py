@@ -1,5 +1,5 @@
-"""The speed appendix plugs in through `mmrgrpo.speedups` (`40b_speedups`): the installed entry points are the appendix's,
-each speed-up changes how a step computes, not what, and a run with none is plain GRPO that says so."""
+"""The speed appendix plugs in through `mmrgrpo.speedups` (`40b_speedups`): the installed entry points are the
+appendix's, each speed-up changes how a step computes, not what, and a run with none is plain GRPO that says so."""
 import ast, dataclasses, importlib.metadata, re
 from pathlib import Path
 import pytest, torch
@@ -39,7 +39,8 @@ def test_the_installed_entry_points_are_the_declared_ones():
 
 
 def test_an_uninstalled_checkout_finds_them_in_its_pyproject(monkeypatch):
-    "A clone on PYTHONPATH (no package index on the machine) has no installed entry points: pyproject.toml supplies them."
+    """A clone on PYTHONPATH (no package index on the machine) has no installed entry points: pyproject.toml supplies
+    them."""
     import mmrgrpo.speedups as S
     monkeypatch.setattr(S.importlib.metadata, "entry_points", lambda group: [])
     assert [s.name for s in S.load_speedups()] == [s.name for s in speedups()]
@@ -51,7 +52,8 @@ def test_every_registered_speedup_sets_a_hook():
 
 
 def test_a_speedup_changes_the_update_by_float_rounding_at_most(tokenizer):
-    "One update of a tiny LoRA policy in fp32, with token selection, pruning and a KL term: plain parts against all of them."
+    """One update of a tiny LoRA policy in fp32, with token selection, pruning and a KL term: plain parts against all
+    of them."""
     c = GRPOConfig(model="tiny-random", lora_r=4, beta=0.04, autocast_bf16=False, prune_rate=0.25, logp_chunk_size=3,
                    token_selection="gmts", keep_ratio=0.5, micro_batch_size=0)
     with use_speedups(()): loss_plain, g_plain = one_update(tokenizer, c)
@@ -72,7 +74,8 @@ def test_a_run_with_no_speedup_is_plain_grpo_and_says_so(tmp_path, capsys):
             make_backend(dataclasses.replace(c, generation_backend="vllm"), res.model, res.tokenizer)
     assert "sampling from the policy; no speed-ups installed (plain GRPO)" in capsys.readouterr().out
     first = res.metrics[0]
-    assert first["precision/base"] == "float32" and "allocator/keep_freed" not in first and "update/attention" not in first
+    assert (first["precision/base"] == "float32" and "allocator/keep_freed" not in first
+            and "update/attention" not in first)
 
 
 def test_a_third_party_speedup_plugs_in_where_the_hooks_say(tmp_path):

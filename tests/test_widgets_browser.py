@@ -1,10 +1,11 @@
 """The notebooks' live widgets in a real browser: JupyterLab on a local port, headless Chromium driven by playwright.
 
-For notebooks 20_mmr, 21_pruning and 22_tokens: run every cell through JupyterLab, then move each slider and switch each toggle of the
-`interact` view and check that its figure (or highlighted text) changes and that no traceback appears anywhere. The
-notebooks run in a copy of nbs/ under the test's temporary folder, so nothing is written into the repository; screenshots
-of every step are saved there too (`<tmp>/screenshots`). Skipped, with the reason, where playwright or a Chromium is
-missing (`tools/install_browser.sh` installs Debian's `chromium`; `pip install -e ".[dev]"` installs playwright).
+For notebooks 20_mmr, 21_pruning and 22_tokens: run every cell through JupyterLab, then move each slider and switch
+each toggle of the `interact` view and check that its figure (or highlighted text) changes and that no traceback
+appears anywhere. The notebooks run in a copy of nbs/ under the test's temporary folder, so nothing is written into the
+repository; screenshots of every step are saved there too (`<tmp>/screenshots`). Skipped, with the reason, where
+playwright or a Chromium is missing (`tools/install_browser.sh` installs Debian's `chromium`; `pip install -e ".[dev]"`
+installs playwright).
 Deselect with `-m "not browser"`.
 """
 import json, os, re, secrets, shutil, signal, socket, subprocess, sys, time, urllib.request
@@ -27,7 +28,8 @@ def find_browser() -> str | None:
 
 
 def prepare_notebook(path: Path):
-    "Outputs cleared (so every figure seen comes from this run) and the `nbdev_export()` cell dropped, as nbdev-test does."
+    """Outputs cleared (so every figure seen comes from this run) and the `nbdev_export()` cell dropped, as nbdev-test
+    does."""
     nb = json.loads(path.read_text())
     nb["cells"] = [c for c in nb["cells"] if "nbdev_export()" not in "".join(c["source"])]
     for c in nb["cells"]:
@@ -90,7 +92,8 @@ def shutdown_kernels(lab: dict):
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10) as r: kernels = json.load(r)
         for k in kernels:
-            urllib.request.urlopen(urllib.request.Request(f"{url}/{k['id']}", headers=auth, method="DELETE"), timeout=30)
+            urllib.request.urlopen(urllib.request.Request(f"{url}/{k['id']}", headers=auth, method="DELETE"),
+                                   timeout=30)
     except OSError: pass  # stopping the server stops them anyway
 
 
@@ -103,7 +106,8 @@ def lab(tmp_path_factory):
     nbs = root / "nbs"
     shutil.copytree(NBS, nbs, ignore=shutil.ignore_patterns("_proc", ".ipynb_checkpoints", "__pycache__"))
     for name in NOTEBOOKS: prepare_notebook(nbs / name)
-    env = {**os.environ, **write_jupyter_dirs(root / "jupyter"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **write_jupyter_dirs(root / "jupyter"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     port, token = free_port(), secrets.token_hex(16)
     log = root / "jupyterlab.log"
     with open(log, "w") as out:
@@ -123,7 +127,8 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     try: from playwright.sync_api import sync_playwright
-    except ImportError: pytest.skip("playwright is not installed (pip install playwright; its browser downloads are not needed)")
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright; its browser downloads are not needed)")
     exe = find_browser()
     if exe is None:
         pytest.skip(f"no Chromium found (looked for $MMRGRPO_CHROMIUM and {', '.join(BROWSERS)}): "
@@ -134,8 +139,9 @@ def browser():
         finally: b.close()
 
 
-# --- JavaScript run in the page; `window.jupyterapp` is there because of --LabApp.expose_app_in_browser -----------------
-PANEL = "name => window.jupyterapp && Array.from(window.jupyterapp.shell.widgets('main')).find(w => w.context && w.context.path === name)"
+# --- JavaScript run in the page; `window.jupyterapp` is there because of --LabApp.expose_app_in_browser -----
+PANEL = ("name => window.jupyterapp && Array.from(window.jupyterapp.shell.widgets('main'))"
+         ".find(w => w.context && w.context.path === name)")
 
 JS_READY = f"""name => {{ const p = ({PANEL})(name);
   return !!(p && p.context.isReady && p.sessionContext.session && p.sessionContext.session.kernel
@@ -150,15 +156,18 @@ JS_RUN_ALL = f"""name => {{ const p = ({PANEL})(name);
 JS_RUN_DONE = f"""name => {{ const p = ({PANEL})(name);
   const cells = p.content.widgets.filter(c => c.model.type === 'code');
   const err = cells.some(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
-  return err || (cells.every(c => c.model.executionCount !== null) && p.sessionContext.session.kernel.status === 'idle'); }}"""
+  return err || (cells.every(c => c.model.executionCount !== null)
+                 && p.sessionContext.session.kernel.status === 'idle'); }}"""
 
 # counts the kernel's turns to busy, so that a redraw is awaited only once the kernel has taken the widget's update
 JS_COUNT_BUSY = f"""name => {{ const k = ({PANEL})(name).sessionContext.session.kernel;
-  if (window.__busy === undefined) {{ window.__busy = 0; k.statusChanged.connect((_, s) => {{ if (s === 'busy') window.__busy++; }}); }} }}"""
+  if (window.__busy === undefined) {{
+    window.__busy = 0; k.statusChanged.connect((_, s) => {{ if (s === 'busy') window.__busy++; }}); }} }}"""
 
 JS_STATE = f"name => [window.__busy, ({PANEL})(name).sessionContext.session.kernel.status]"
 
-# error outputs of cells, plus any traceback rendered on the page (widget Output areas hold their errors outside the cells)
+# error outputs of cells, plus any traceback rendered on the page (widget Output areas hold their errors outside the
+# cells)
 JS_ERRORS = f"""name => {{ const p = ({PANEL})(name);
   const out = [];
   for (const c of p.content.widgets) if (c.model.type === 'code')
@@ -171,14 +180,16 @@ JS_ERRORS = f"""name => {{ const p = ({PANEL})(name);
 JS_SHOWN = """el => { const o = el.querySelector('.widget-output');
   if (!o) return '';
   return Array.from(o.querySelectorAll('img')).map(i => i.src)
-    .concat(Array.from(o.querySelectorAll('.jp-RenderedHTMLCommon, .jp-RenderedText')).map(e => e.innerHTML)).join('\\n'); }"""
+    .concat(Array.from(o.querySelectorAll('.jp-RenderedHTMLCommon, .jp-RenderedText')).map(e => e.innerHTML))
+    .join('\\n'); }"""
 
 
 def control_label(control) -> str:
     "The widget's description (a checkbox shows it beside the box, the others in a `.widget-label`)."
     for sel in (".widget-label", ".widget-label-basic"):
         lab = control.locator(sel).first
-        text = lab.inner_text().replace("\u200b", "").strip() if lab.count() else ""  # an empty label holds a zero-width space
+        # an empty label holds a zero-width space
+        text = lab.inner_text().replace("\u200b", "").strip() if lab.count() else ""
         if text: return text
     return (control.get_attribute("class") or "control").split()[0]
 
@@ -217,8 +228,8 @@ def change(page, control) -> str:
 
 
 def settle(page, name: str, view, busy_before: int, timeout: float = UPDATE_S) -> tuple[str, bool]:
-    """What the view shows once the kernel has taken the update (turned busy since `busy_before`), is idle again, and the
-    view has stayed the same for half a second; and whether the kernel took an update at all within `timeout`."""
+    """What the view shows once the kernel has taken the update (turned busy since `busy_before`), is idle again, and
+    the view has stayed the same for half a second; and whether the kernel took an update at all within `timeout`."""
     deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
     while time.monotonic() < deadline:
         shown, (busy, status) = view.evaluate(JS_SHOWN), page.evaluate(JS_STATE, name)
@@ -230,7 +241,8 @@ def settle(page, name: str, view, busy_before: int, timeout: float = UPDATE_S) -
 
 
 def wait_js(page, js: str, arg, timeout: float, what: str, lab: dict):
-    "Wait until `js` is true in the page; on a timeout, fail with a screenshot of the page and the end of the server log."
+    """Wait until `js` is true in the page; on a timeout, fail with a screenshot of the page and the end of the server
+    log."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     try: page.wait_for_function(js, arg=arg, timeout=timeout * 1000, polling=250)
     except PlaywrightTimeout:
@@ -264,7 +276,8 @@ def test_widgets_respond(browser, lab, name):
         print(f"{name}: opened and ran in {time.monotonic() - t0:.1f} s")
 
         views = page.locator(".widget-interact")
-        wait_js(page, "() => document.querySelector('.widget-interact') !== null", None, UPDATE_S, "to show its widgets", lab)
+        wait_js(page, "() => document.querySelector('.widget-interact') !== null", None, UPDATE_S,
+                "to show its widgets", lab)
         for v in range(views.count()):
             view = views.nth(v)
             shown, _ = settle(page, name, view, -1)
@@ -285,7 +298,8 @@ def test_widgets_respond(browser, lab, name):
                     path = shots / f"{stem}_view{v}_{step}_{re.sub(r'[^A-Za-z0-9_]+', '_', label)}.png"
                     view.screenshot(path=path)
                     check_no_errors(page, name, f"after moving {label!r} ({what})")
-                    assert took, f"{name}: moving {label!r} ({what}) sent the kernel nothing within {UPDATE_S} s; see {path}"
+                    assert took, (f"{name}: moving {label!r} ({what}) sent the kernel nothing within {UPDATE_S} s; "
+                                  f"see {path}")
                     tried.setdefault(label, []).append(f"{what}: {path.name}")
                     if now != shown: pending.remove(control)
                     shown = now

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark scripts: run metadata, JSON results, tables, timing helpers, and the fixed bench config.
+"""Shared pieces of the benchmark scripts: run metadata, JSON results, tables, timing helpers, and the fixed bench
+config.
 
 Every script writes bench/results/<name>.json (or <name>_quick.json for --quick) holding `meta` (the exact command line,
 git commit and dirty flag, machine, torch version and threads, date, load average before and after) and all raw numbers,
@@ -31,7 +32,8 @@ def git_info() -> dict:
         try: return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.rstrip()
         except Exception: return ""
     status = [l for l in run("status", "--porcelain", "--untracked-files=no").splitlines() if "bench/results/" not in l]
-    return {"commit": run("rev-parse", "--short", "HEAD").strip() or None, "dirty": bool(status), "dirty_files": [l[3:] for l in status]}
+    return {"commit": run("rev-parse", "--short", "HEAD").strip() or None, "dirty": bool(status),
+            "dirty_files": [l[3:] for l in status]}
 
 
 def cpu_model() -> str:
@@ -54,7 +56,8 @@ def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", 
 
 
 def auto_precision() -> str:
-    "What `dtype`/`autocast_bf16`/`sampler_dtype` 'auto' pick on this machine's CPU (the benchmarks' own config may pin them)."
+    """What `dtype`/`autocast_bf16`/`sampler_dtype` 'auto' pick on this machine's CPU (the benchmarks' own config may
+    pin them)."""
     from mmrgrpo.models import choose_dtype
     from mmrgrpo.sampler_copy import sampler_dtype
     return f"{choose_dtype('cpu').describe()}; sampler copy {sampler_dtype('auto', 'cpu')}"
@@ -83,7 +86,8 @@ def machine_info() -> dict:
 def start_meta() -> dict:
     "Metadata taken when a script starts; `finish_meta` adds the end."
     return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "cwd": os.getcwd(),
-            "git": git_info(), "machine": machine_info(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "git": git_info(), "machine": machine_info(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "loadavg_start": os.getloadavg(), "_t0": time.time()}
 
 
@@ -134,7 +138,8 @@ def sync(device="cpu"):
 
 
 def release_memory():
-    "Collect garbage and hand the C allocator's free memory back to the OS (glibc), so a later peak-RSS reading starts clean."
+    """Collect garbage and hand the C allocator's free memory back to the OS (glibc), so a later peak-RSS reading starts
+    clean."""
     import ctypes, gc
     gc.collect()
     try: ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -147,7 +152,8 @@ def median(xs): return statistics.median(xs) if xs else float("nan")
 def spread(xs) -> dict:
     "Median, min, max and all values of repeated measurements."
     xs = list(xs)
-    return {"median": median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs), "values": xs}
+    return {"median": median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs),
+            "values": xs}
 
 
 def table(rows: list, headers: list, fmt: dict = None) -> str:
@@ -163,19 +169,21 @@ def table(rows: list, headers: list, fmt: dict = None) -> str:
 
 
 OP_KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::baddbmm"),
-            "attention backward": ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::_scaled_dot_product_efficient_attention_backward",
+            "attention backward": ("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                   "aten::_scaled_dot_product_efficient_attention_backward",
                                    "aten::_scaled_dot_product_flash_attention_backward"),
             "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
-            "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
-                                 "aten::_index_put_impl_", "aten::index_select"),
+            "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index", "aten::clone",
+                                 "aten::contiguous", "aten::_index_put_impl_", "aten::index_select"),
             "optimizer": ("Optimizer.step", "aten::_foreach_", "aten::_fused_adamw")}
 OTHER_OPS = "elementwise and other ops"
 
 
 def op_kinds(prof, wall: float, per: float = 1.0, kinds: tuple = ("matmul", "attention", "copies and casts")) -> dict:
-    """Seconds / `per` by kind of op from a finished `torch.profiler.profile`: each op's own CPU time sorted into `kinds` (the
-    first whose names an op's name starts with; `OP_KINDS`), the rest as elementwise and other ops, and "outside ops": `wall`
-    (the profiled code's wall-clock) minus the ops' time (Python, bookkeeping, the dispatcher between ops)."""
+    """Seconds / `per` by kind of op from a finished `torch.profiler.profile`: each op's own CPU time sorted into
+    `kinds` (the first whose names an op's name starts with; `OP_KINDS`), the rest as elementwise and other ops, and
+    "outside ops": `wall` (the profiled code's wall-clock) minus the ops' time (Python, bookkeeping, the dispatcher
+    between ops)."""
     out = dict.fromkeys([*kinds, OTHER_OPS], 0.0)
     for e in prof.key_averages():
         kind = next((k for k in kinds if e.key.startswith(OP_KINDS[k])), OTHER_OPS)
@@ -204,12 +212,14 @@ def common_args(ap, quick_help: str = "small settings on the tiny random model: 
 
 
 class BaselineWorker:
-    """One arm of a benchmark run by the package as it was at an earlier commit, in a process of its own, side by side with the
-    current code: `git archive REF` is unpacked into a temporary folder and `python SCRIPT --baseline-worker ...` runs with that
-    folder first on sys.path. The script's worker answers one JSON line per `run()` call (a timed round), so rounds stay
-    interleaved with the other arms and only one process computes at a time."""
+    """One arm of a benchmark run by the package as it was at an earlier commit, in a process of its own, side by side
+    with the current code: `git archive REF` is unpacked into a temporary folder and
+    `python SCRIPT --baseline-worker ...` runs with that folder first on sys.path. The script's worker answers one JSON
+    line per `run()` call (a timed round), so rounds stay interleaved with the other arms and only one process computes
+    at a time."""
     def __init__(self, ref: str, script: str, args: list):
-        self.ref = subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        self.ref = subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout.strip()
         self.dir = tempfile.mkdtemp(prefix=f"mmrgrpo-{self.ref}-")
         tar = subprocess.run(["git", "archive", self.ref], cwd=REPO, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", self.dir], input=tar, check=True)
@@ -217,7 +227,8 @@ class BaselineWorker:
         self.proc = subprocess.Popen([sys.executable, script, "--baseline-worker", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=self.dir)
         ready = self._read()
-        if ready.get("package") != self.dir: raise RuntimeError(f"the baseline worker imported mmrgrpo from {ready.get('package')}")
+        if ready.get("package") != self.dir:
+            raise RuntimeError(f"the baseline worker imported mmrgrpo from {ready.get('package')}")
 
     def _read(self) -> dict:
         "The worker's next JSON line (other lines it prints pass through to our stdout)."
@@ -237,7 +248,8 @@ class BaselineWorker:
 
 
 def serve_baseline(handle):
-    "The worker side of `BaselineWorker`: say where mmrgrpo was imported from, then answer `handle(request)` per stdin line."
+    """The worker side of `BaselineWorker`: say where mmrgrpo was imported from, then answer `handle(request)` per stdin
+    line."""
     import mmrgrpo
     print(json.dumps({"package": str(Path(mmrgrpo.__file__).resolve().parents[1])}), flush=True)
     for line in sys.stdin:

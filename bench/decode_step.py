@@ -1,23 +1,23 @@
-"""One decode step of the sampler, timed at a fixed number of rows and split into its parts: the fixed cost per step that
-generation pays whatever the batch, and where it goes.
+"""One decode step of the sampler at fixed row counts, split into its parts: the fixed cost per step and where it goes.
 
-The bench config's policy (SmolLM2-135M-Instruct + LoRA r=16 on all seven projections, fp32), its 8 arithmetic prompts of
-training step 0 (the longest ~100 tokens), prefilled, then decode steps of B rows (B = 1, 8, 16, 32, 64; the prompts repeated
-to B rows) at the positions right after the prompt. Arms, interleaved, each a median over `--repeats` rounds of `--steps`
-steps:
+The fixed cost per step is what generation pays whatever the batch. The bench config's policy (SmolLM2-135M-Instruct +
+LoRA r=16 on all seven projections, fp32), its 8 arithmetic prompts of training step 0 (the longest ~100 tokens),
+prefilled, then decode steps of B rows (B = 1, 8, 16, 32, 64; the prompts repeated to B rows) at the positions right
+after the prompt. Arms, interleaved, each a median over `--repeats` rounds of `--steps` steps:
 - `policy`: transformers' forward on the fp32 LoRA policy (three matmuls per adapted layer), the reserved KV cache;
 - `copy-fp32`, `copy-bf16`: transformers' forward on the merged sampling copy (61_sampler_copy);
 - `fused-fp32`, `fused-bf16`: the fused decoder (61a_fused_decode) on the same copy;
 - `fused-bf16-plain`: the fused decoder with packing (and so norm folding) off: what the blocked weight layout buys;
 - `fused-bf16-attn16`: the fused decoder with its KV cache and attention in bf16 whatever the CPU (`attn_dtype`; the
   default attends in fp32 on a CPU without AMX, `attention_dtype`).
-Per arm: time per step = fixed + per_row x rows, a least-squares fit over the five batch sizes; the fixed part is the cost a
-decode step pays whatever the batch.
+Per arm: time per step = fixed + per_row x rows, a least-squares fit over the five batch sizes; the fixed part is the
+cost a decode step pays whatever the batch.
 
-Parts: torch's profiler over `--steps` decode steps at 32 rows for `copy-bf16`, `fused-bf16` and `fused-bf16-attn16`, each op's own CPU time
-sorted into matmuls (mm, addmm, bmm, oneDNN linear), attention (scaled_dot_product_*), copies and casts (copy_, _to_copy, cat,
-index*, clone, contiguous), elementwise (everything else the profiler counts), and "outside ops": the wall-clock of the step
-minus the ops' CPU time (Python, transformers' bookkeeping, the dispatcher between ops).
+Parts: torch's profiler over `--steps` decode steps at 32 rows for `copy-bf16`, `fused-bf16` and `fused-bf16-attn16`,
+each op's own CPU time sorted into matmuls (mm, addmm, bmm, oneDNN linear), attention (scaled_dot_product_*), copies and
+casts (copy_, _to_copy, cat, index*, clone, contiguous), elementwise (everything else the profiler counts), and
+"outside ops": the wall-clock of the step minus the ops' CPU time (Python, transformers' bookkeeping, the dispatcher
+between ops).
 
 `torch.compile` (`--compile`): the fused decoder's step (its plain weights: oneDNN's packed weights are opaque to the
 compiler) compiled for one fixed shape (32 rows, one position), the first call's compile time counted and reported, then
@@ -37,7 +37,8 @@ ROWS = [1, 8, 16, 32, 64]
 
 
 def decoder_for(arm, model, dtype):
-    "A function (ids, pos, state) -> logits for one decode step of `arm`, and a function making the state after a prefill."
+    """A function (ids, pos, state) -> logits for one decode step of `arm`, and a function making the state after a
+    prefill."""
     import torch
     from mmrgrpo import fused_decode as fd
     from mmrgrpo.kvcache import reserve_cache
@@ -89,7 +90,8 @@ def fit(rows: list, seconds: list) -> tuple:
 
 
 def parts(prefill, step, ids, mask, steps: int) -> dict:
-    "Milliseconds per step by kind of op (own CPU time), and outside ops (wall minus the ops' time), from torch's profiler."
+    """Milliseconds per step by kind of op (own CPU time), and outside ops (wall minus the ops' time), from torch's
+    profiler."""
     from torch.profiler import profile, ProfilerActivity
     state = prefill(ids[:, :-1], mask[:, :-1], steps + 1)
     pos, tok = mask.sum(-1, keepdim=True) - 1, ids[:, -1:]
@@ -104,7 +106,8 @@ def parts(prefill, step, ids, mask, steps: int) -> dict:
 
 
 def compiled_step(model, ids, mask, steps: int) -> dict:
-    "torch.compile of the fused decoder's step for one fixed shape (unpacked weights): first-call seconds and the median step."
+    """torch.compile of the fused decoder's step for one fixed shape (unpacked weights): first-call seconds and the
+    median step."""
     import torch
     from mmrgrpo import fused_decode as fd
     from mmrgrpo.sampler_copy import merged_copy
@@ -122,8 +125,8 @@ def compiled_step(model, ids, mask, steps: int) -> dict:
     eager = []
     for _ in range(steps):
         cache.n = n; t0 = time.perf_counter(); dec.decode(tok, pos, cache); eager.append(time.perf_counter() - t0)
-    return {"first_call_s": first, "compiled_step_s": statistics.median(times), "eager_plain_step_s": statistics.median(eager),
-            "rows": len(ids)}
+    return {"first_call_s": first, "compiled_step_s": statistics.median(times),
+            "eager_plain_step_s": statistics.median(eager), "rows": len(ids)}
 
 
 def main(argv=None):
@@ -131,7 +134,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="rounds per arm and batch size (default 3; --quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per round (default 8; --quick 2)")
     ap.add_argument("--arms", nargs="*", default=ARMS, choices=ARMS)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the fused step (compile time counted)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile of the fused step (compile time counted)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     bl.set_threads(args.threads)
@@ -143,7 +147,8 @@ def main(argv=None):
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     rows = [1, 4] if args.quick else ROWS
-    batch = {b: (enc.input_ids.repeat(-(-b // len(prompts)), 1)[:b], enc.attention_mask.repeat(-(-b // len(prompts)), 1)[:b])
+    batch = {b: (enc.input_ids.repeat(-(-b // len(prompts)), 1)[:b],
+                 enc.attention_mask.repeat(-(-b // len(prompts)), 1)[:b])
              for b in rows}
     dtypes = {a: torch.bfloat16 if "bf16" in a else torch.float32 for a in args.arms}
     arms = {a: decoder_for(a, model, dtypes[a]) for a in args.arms}
@@ -160,22 +165,28 @@ def main(argv=None):
         fixed, per_row = fit(rows, med)
         summary.append({"arm": a, **{f"ms@{b}": m * 1e3 for b, m in zip(rows, med)}, "fixed_ms": fixed * 1e3,
                         "per_row_ms": per_row * 1e3})
-    print(f"\none decode step after the prompt (width {enc.input_ids.shape[1]}), medians of {repeats} rounds of {steps} steps:")
+    print(f"\none decode step after the prompt (width {enc.input_ids.shape[1]}), "
+          f"medians of {repeats} rounds of {steps} steps:")
     print(bl.table(summary, ["arm", *[f"ms@{b}" for b in rows], "fixed_ms", "per_row_ms"],
                    {k: ".1f" for k in [*[f"ms@{b}" for b in rows], "fixed_ms"]} | {"per_row_ms": ".2f"}))
     prof_rows = 4 if args.quick else 32
-    breakdown = {a: parts(*arms[a], *batch[prof_rows], steps) for a in ("copy-bf16", "fused-bf16", "fused-bf16-attn16") if a in arms}
+    breakdown = {a: parts(*arms[a], *batch[prof_rows], steps)
+                 for a in ("copy-bf16", "fused-bf16", "fused-bf16-attn16") if a in arms}
     for a, p in breakdown.items():
         print(f"\n{a}, one step of {prof_rows} rows, ms by part: " + ", ".join(f"{k} {v:.1f}" for k, v in p.items()))
     comp = compiled_step(model, *batch[prof_rows], steps) if args.compile else None
-    if comp: print(f"\ntorch.compile of the fused step ({prof_rows} rows, plain bf16 weights): first call {comp['first_call_s']:.1f} s, "
-                   f"then {comp['compiled_step_s'] * 1e3:.1f} ms a step against {comp['eager_plain_step_s'] * 1e3:.1f} ms eager")
+    if comp:
+        print(f"\ntorch.compile of the fused step ({prof_rows} rows, plain bf16 weights): "
+              f"first call {comp['first_call_s']:.1f} s, then {comp['compiled_step_s'] * 1e3:.1f} ms a step "
+              f"against {comp['eager_plain_step_s'] * 1e3:.1f} ms eager")
     from dataclasses import asdict
-    out = {"name": "decode_step", "quick": args.quick, "config": asdict(c), "rows": rows, "repeats": repeats, "steps": steps,
+    out = {"name": "decode_step", "quick": args.quick, "config": asdict(c), "rows": rows, "repeats": repeats,
+           "steps": steps,
            "prompt_width": enc.input_ids.shape[1], "summary": summary, "raw_s": raw, "parts_ms": breakdown,
            "parts_rows": prof_rows, "compile": comp, "meta": bl.finish_meta(meta),
-           "notes": "fixed_ms/per_row_ms: least-squares fit of the median step time over the row counts; parts: own CPU time "
-                    "of each kind of op per step under torch's profiler, outside ops = profiled wall minus the ops' time"}
+           "notes": "fixed_ms/per_row_ms: least-squares fit of the median step time over the row counts; "
+                    "parts: own CPU time of each kind of op per step under torch's profiler, "
+                    "outside ops = profiled wall minus the ops' time"}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("decode_step", args.quick), out)
     print(f"wrote {p}")
 

@@ -18,11 +18,12 @@ from statistics import mean
 sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import finish_meta, start_meta, write_json
 
-# "switches off": the plain path of the first lessons (pack_completions came after the study in demo_seeds.json, whose code
-# had no packing: the same path)
-ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false", "keep_freed_memory=false",
-                                         "pack_completions=false"],
-        "fused decoder off": ["fused_decode=false"], "bf16 base off": ["bf16_base=false"], "fused head off": ["fused_head=false"],
+# "switches off": the plain path of the first lessons (pack_completions came after the study in demo_seeds.json, whose
+# code had no packing: the same path)
+ARMS = {"defaults": [], "switches off": ["fused_decode=false", "fused_head=false", "bf16_base=false",
+                                         "keep_freed_memory=false", "pack_completions=false"],
+        "fused decoder off": ["fused_decode=false"], "bf16 base off": ["bf16_base=false"],
+        "fused head off": ["fused_head=false"],
         "packing off": ["pack_completions=false"],
         "freed memory returned": ["keep_freed_memory=false"]}
 
@@ -54,7 +55,8 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
-    p.add_argument("--runs", default="runs/demo_seeds", help="folder for the runs (kept: a finished run is not run again)")
+    p.add_argument("--runs", default="runs/demo_seeds",
+                   help="folder for the runs (kept: a finished run is not run again)")
     p.add_argument("--out", default="bench/results/demo_seeds.json")
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="which arms to run")
     a = p.parse_args()
@@ -68,7 +70,8 @@ def main():
         final = [r["accuracy"][15] for r in results if r["arm"] == arm]
         best = [max(r["accuracy"].values()) for r in results if r["arm"] == arm]
         summary[arm] = dict(final=final, final_mean=mean(final), best_mean=mean(best))
-        print(f"{arm:>13}: " + " ".join(f"{x:.3f}" for x in final) + f"   mean {mean(final):.3f} (best step's mean {mean(best):.3f})")
+        print(f"{arm:>13}: " + " ".join(f"{x:.3f}" for x in final)
+              + f"   mean {mean(final):.3f} (best step's mean {mean(best):.3f})")
     first = a.arms[0]
     for arm in a.arms[1:]:          # each arm against the first, seed by seed
         diffs = [x - y for x, y in zip(summary[arm]["final"], summary[first]["final"])]
@@ -76,6 +79,7 @@ def main():
                                            higher=sum(d > 0 for d in diffs), sign_flip_p=sign_flip_p(diffs))
         print(f"{arm} - {first}: mean {mean(diffs):+.3f}, lower on {sum(d < 0 for d in diffs)} seeds of {len(diffs)}, "
               f"higher on {sum(d > 0 for d in diffs)}, sign-flip p = {sign_flip_p(diffs):.3f}")
-    print(f"saved {write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results, summary=summary))}")
+    print(f"""saved {write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results,
+                                            summary=summary))}""")
 
 if __name__ == "__main__": main()

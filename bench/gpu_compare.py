@@ -55,8 +55,8 @@ def distinct_reward(prompts, completions, **kw) -> list:
 
 def never_ends(model, stop_ids: list, lift: float = 0.1, push: float = 1e4):
     "Make `stop_ids` impossible to draw: residual dimension 0 holds `lift`, and the head's stop rows read -push x it."
-    # With a tied head the stop tokens' embeddings become those rows too, so a position whose input is a stop token holds
-    # -push there: only prompts (pads, turn ends) have such inputs, and nothing is drawn or scored after them.
+    # With a tied head the stop tokens' embeddings become those rows too, so a position whose input is a stop token
+    # holds -push there: only prompts (pads, turn ends) have such inputs, and nothing is drawn or scored after them.
     import torch
     with torch.no_grad():
         model.get_input_embeddings().weight[:, 0] = lift          # every token puts `lift` in dimension 0 ...
@@ -217,7 +217,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 4; --tiny 2); the first warms up")
     ap.add_argument("--runs", type=int, default=1, help="runs per arm, alternating the order")
     ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="mmrgrpo config overrides for both workloads (e.g. micro_batch_size=16); saved with the result")
+                    help="mmrgrpo config overrides for both workloads (e.g. micro_batch_size=16); "
+                         "saved with the result")
     ap.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE", help="TRL GRPOConfig fields (JSON values)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)

@@ -1,8 +1,8 @@
-"""When the trainer hands kept memory back: after every step, once the heap has grown (`KeptHeap`, the default), or never.
+"""When the trainer hands kept memory back: after every step, once the heap has grown (`KeptHeap`, default), or never.
 
 With `keep_freed_memory` on (a CPU run's default), glibc keeps freed memory in the process so a step reuses its blocks
-instead of faulting fresh pages in. Between steps the trainer may hand it back (`malloc_trim`): memory stays bounded, but
-the next step faults everything in again. Three arms, each a training run in a process of its own (clean memory
+instead of faulting fresh pages in. Between steps the trainer may hand it back (`malloc_trim`): memory stays bounded,
+but the next step faults everything in again. Three arms, each a training run in a process of its own (clean memory
 accounting), alternated arm by arm `--repeats` times:
 - `every`: hand back after every step (the trainer before `KeptHeap`);
 - `grown`: hand back once the resident set a step ends with has grown by more than 10% (`KeptHeap`, the default);
@@ -45,7 +45,8 @@ def one_run(arm: str, steps: int, quick: bool, threads: int, overrides=()) -> di
     tr.train_step = counted
     base = dict(bl.QUICK_CONFIG, num_generations=4) if quick else DEMO
     with tempfile.TemporaryDirectory() as out:
-        c = load_config(overrides=list(overrides) or None, **dict(base, steps=steps, eval_size=0, eval_before=False, save_every=0, save_best=False,
+        c = load_config(overrides=list(overrides) or None,
+                        **dict(base, steps=steps, eval_size=0, eval_before=False, save_every=0, save_best=False,
                                log_completions_every=0, output_dir=out, overwrite=True, threads=threads))
         t0 = time.perf_counter(); res = tr.train(c); wall = time.perf_counter() - t0
     rows = [{"time/step": m["time/step"], "time/generate": m.get("time/generate"), "time/update": m.get("time/update"),
@@ -59,7 +60,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="training steps a run (default 12; --quick: 3)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per arm, alternated arm by arm")
     ap.add_argument("--arms", nargs="*", default=ARMS, choices=ARMS)
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. autocast_bf16=false sampler_dtype=float32")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides, e.g. autocast_bf16=false sampler_dtype=float32")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 12)
@@ -87,16 +89,20 @@ def main(argv=None):
         rs = [r for r in runs if r["arm"] == arm]
         later = [s for r in rs for s in (r["steps"][1:] or r["steps"])]
         med = lambda k: statistics.median(s[k] for s in later if s[k] is not None)
-        summary.append({"arm": arm, "step_s": med("time/step"), "generate_s": med("time/generate"), "update_s": med("time/update"),
+        summary.append({"arm": arm, "step_s": med("time/step"), "generate_s": med("time/generate"),
+                        "update_s": med("time/update"),
                         "faulted_MiB_per_step": med("minor_faults") * 4 / 1024, "handed_back_per_run": statistics.mean(
                             sum(s["handed_back"] or 0 for s in r["steps"]) for r in rs),
-                        "max_rss_MiB": max(r["max_rss_mb"] for r in rs), "last_end_MiB": max(r["steps"][-1]["rss_end_mb"] for r in rs)})
+                        "max_rss_MiB": max(r["max_rss_mb"] for r in rs),
+                        "last_end_MiB": max(r["steps"][-1]["rss_end_mb"] for r in rs)})
     for s in summary: s["step_vs_every"] = s["step_s"] / summary[0]["step_s"]
     print(f"\nmedians over steps 2..{steps} of {args.repeats} runs per arm (faults: the kernel's minor faults x 4 KiB)")
-    print(bl.table(summary, list(summary[0]), {k: ".2f" for k in ("step_s", "generate_s", "update_s", "step_vs_every")} |
-                   {"faulted_MiB_per_step": ".0f", "handed_back_per_run": ".1f", "max_rss_MiB": ".0f", "last_end_MiB": ".0f"}))
-    out = {"name": "kept_heap", "quick": args.quick, "overrides": args.set, "steps": steps, "repeats": args.repeats, "summary": summary, "runs": runs,
-           "meta": bl.finish_meta(meta)}
+    print(bl.table(summary, list(summary[0]),
+                   {k: ".2f" for k in ("step_s", "generate_s", "update_s", "step_vs_every")} |
+                   {"faulted_MiB_per_step": ".0f", "handed_back_per_run": ".1f", "max_rss_MiB": ".0f",
+                    "last_end_MiB": ".0f"}))
+    out = {"name": "kept_heap", "quick": args.quick, "overrides": args.set, "steps": steps, "repeats": args.repeats,
+           "summary": summary, "runs": runs, "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("kept_heap", args.quick), out)
     print(f"wrote {p}")
 

@@ -1,11 +1,11 @@
 """Make the small cached rollout the MMR, pruning and token-selection notebooks use as their real example.
 
-It samples G completions for each of a few addition questions from the embedded policy (SmolLM2-135M-Instruct, fp32, CPU),
-then records for every completion: its text, token ids and decoded token strings, the per-token log-prob, entropy and
-log(sum_j p_j^2) from one forward pass, a 0/1 reward (the last \\boxed{} integer equals the sum), and its all-MiniLM-L6-v2
-embedding. The notebooks load the result, so they run in seconds without the policy model.
+It samples G completions for each of a few addition questions from the embedded policy (SmolLM2-135M-Instruct, fp32,
+CPU), then records for every completion: its text, token ids and decoded token strings, the per-token log-prob, entropy
+and log(sum_j p_j^2) from one forward pass, a 0/1 reward (the last \\boxed{} integer equals the sum), and its
+all-MiniLM-L6-v2 embedding. The notebooks load the result, so they run in seconds without the policy model.
 
-    HF_HUB_OFFLINE=1 python bench/make_rollout.py            # writes nbs/data/rollout.json (about 2-5 min on 2 CPU cores)
+    HF_HUB_OFFLINE=1 python bench/make_rollout.py   # writes nbs/data/rollout.json (about 2-5 min on 2 CPU cores)
 
 Sampling uses a fixed seed per group, so the file is reproducible on the same torch build and thread count.
 Numbers are rounded to 4 decimals to keep the file small (< 300 KB).

@@ -1,25 +1,26 @@
 """Step time and peak memory of mmrgrpo against TRL's GRPOTrainer on the same GRPO configuration, on CPU.
 
-Both sides train the same model folder (`mmrgrpo.models.resolve_model("smollm2")`: SmolLM2-135M-Instruct dequantised once
-to a plain safetensors folder; TRL refuses GGUF-quantised models) with the same settings: LoRA r=16, alpha=32, dropout 0 on
-q/k/v/o/gate/up/down; G=8 completions for each of 8 prompts per step, all 64 in one forward/backward pass (TRL:
-per_device_train_batch_size=64, gradient_accumulation_steps=1); 48 new tokens, temperature 1, top_p 1, top_k 0; loss_type
-grpo, beta 0.04 (reference = base model with the adapter off), eps 0.2, group-scaled advantages, one iteration per batch;
-AdamW lr 1e-4 constant, grad-norm clip 1; fp32, no gradient checkpointing (TRL's defaults bf16=True and
-gradient_checkpointing=True are switched off); rewards accuracy (weight 1) and format (0.2), the same Python functions (they
-use TRL's reward signature). The prompts are the same strings: mmrgrpo's chat prompts for the tasks of steps 0..S-1 of
-arithmetic level 2 (TRL with shuffle_dataset=False reads them in that order). Differences that stay: mmrgrpo runs each
-group's prompt once in the update (prompt sharing, on by default) and computes log-probs in chunks; TRL materialises the
-full logits. Set --ours-set share_prompt=false to compare without prompt sharing.
+Both sides train the same model folder (`mmrgrpo.models.resolve_model("smollm2")`: SmolLM2-135M-Instruct dequantised
+once to a plain safetensors folder; TRL refuses GGUF-quantised models) with the same settings: LoRA r=16, alpha=32,
+dropout 0 on q/k/v/o/gate/up/down; G=8 completions for each of 8 prompts per step, all 64 in one forward/backward pass
+(TRL: per_device_train_batch_size=64, gradient_accumulation_steps=1); 48 new tokens, temperature 1, top_p 1, top_k 0;
+loss_type grpo, beta 0.04 (reference = base model with the adapter off), eps 0.2, group-scaled advantages, one iteration
+per batch; AdamW lr 1e-4 constant, grad-norm clip 1; fp32, no gradient checkpointing (TRL's defaults bf16=True and
+gradient_checkpointing=True are switched off); rewards accuracy (weight 1) and format (0.2), the same Python functions
+(they use TRL's reward signature). The prompts are the same strings: mmrgrpo's chat prompts for the tasks of steps
+0..S-1 of arithmetic level 2 (TRL with shuffle_dataset=False reads them in that order). Differences that stay: mmrgrpo
+runs each group's prompt once in the update (prompt sharing, on by default) and computes log-probs in chunks; TRL
+materialises the full logits. Set --ours-set share_prompt=false to compare without prompt sharing.
 
-Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...). Step
-time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
-on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step; TRL's
-own logged `step_time` is stored beside it as a cross-check). The first step of each run is a warm-up and is left out of the medians.
+Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...).
+Step time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
+on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step;
+TRL's own logged `step_time` is stored beside it as a cross-check). The first step of each run is a warm-up and is left
+out of the medians.
 
-    pip install trl==1.16.0                       # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
-    python bench/trl_compare.py                   # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
-    python bench/trl_compare.py --quick           # a tiny random model saved to a temp folder, 1-3 min
+    pip install trl==1.16.0               # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
+    python bench/trl_compare.py           # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
+    python bench/trl_compare.py --quick   # a tiny random model saved to a temp folder, 1-3 min
 """
 import argparse, json, sys, tempfile, time
 from pathlib import Path
@@ -70,7 +71,8 @@ def worker_ours(cfg: dict, extra: list, device: str = None) -> dict:
     rows = res.metrics
     return {"step_s": [r["time/step"] for r in rows], "generate_s": [r.get("time/generate") for r in rows],
             "reward": [r.get("reward") for r in rows], "completion_length": [r.get("completion_length") for r in rows],
-            "kl": [r.get("kl") for r in rows], "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded,
+            "kl": [r.get("kl") for r in rows], "load_s": load_s, "train_wall_s": train_s,
+            "rss_after_load_mb": rss_loaded,
             "reward_s": [r.get("time/reward") for r in rows],
             "phases_s": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
             "params": params, "device": str(next(model.parameters()).device), "threads": torch.get_num_threads()}
@@ -115,7 +117,8 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
 
     with tempfile.TemporaryDirectory() as d:
         targs = TRLConfig(output_dir=d, use_cpu=device == "cpu", bf16=bf16, fp16=False, gradient_checkpointing=False,
-                          per_device_train_batch_size=c.prompts_per_step * c.num_generations, gradient_accumulation_steps=1,
+                          per_device_train_batch_size=c.prompts_per_step * c.num_generations,
+                          gradient_accumulation_steps=1,
                           num_generations=c.num_generations, max_completion_length=c.max_completion_length,
                           temperature=c.temperature, top_p=c.top_p, top_k=0, beta=c.beta_, loss_type=c.loss_type,
                           epsilon=c.eps_low, epsilon_high=c.eps_high_, scale_rewards=c.scale_rewards_, num_iterations=1,
@@ -142,7 +145,8 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
         trainer.train()
         train_s = time.perf_counter() - t0
     steps = [l for l in logged if "reward" in l]
-    return {"step_s": times, "trl_logged_step_time": [l.get("step_time") for l in steps], "reward": [l.get("reward") for l in steps],
+    return {"step_s": times, "trl_logged_step_time": [l.get("step_time") for l in steps],
+            "reward": [l.get("reward") for l in steps],
             "completion_length": [l.get("completions/mean_length") for l in steps], "kl": [l.get("kl") for l in steps],
             "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded, "trl_version": trl.__version__,
             "generate_s": generate_s, "prepare_s": prepare_s, "device": str(trainer.accelerator.device),
@@ -159,7 +163,8 @@ def summarise(runs: list, arm: str) -> dict:
     timed = [t for r in mine for t in r["step_s"][1:]] or [t for r in mine for t in r["step_s"]]
     return {"runs": len(mine), "median_step_s": bl.median(timed), "mean_step_s": sum(timed) / len(timed),
             "timed_steps": len(timed), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
-            "peak_rss_mb_each": [r["peak_rss_mb"] for r in mine], "rss_after_load_mb": max(r["rss_after_load_mb"] for r in mine),
+            "peak_rss_mb_each": [r["peak_rss_mb"] for r in mine],
+            "rss_after_load_mb": max(r["rss_after_load_mb"] for r in mine),
             "load_s": bl.median([r["load_s"] for r in mine]),
             "mean_reward": bl.median([x for r in mine for x in r["reward"] if x is not None]),
             "mean_completion_length": bl.median([x for r in mine for x in r["completion_length"] if x is not None])}
@@ -167,10 +172,12 @@ def summarise(runs: list, arm: str) -> dict:
 
 def main(argv=None):
     ap = bl.common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 4; --quick 3); the first is a warm-up")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (default 4; --quick 3); the first is a warm-up")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm, alternating the order")
     ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra mmrgrpo config overrides")
-    ap.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra TRL GRPOConfig fields (JSON values)")
+    ap.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra TRL GRPOConfig fields (JSON values)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -202,7 +209,8 @@ def main(argv=None):
     ratio = s["ours"]["median_step_s"] / s["trl"]["median_step_s"]
     mem_ratio = s["ours"]["peak_rss_mb"] / s["trl"]["peak_rss_mb"]
     print(f"\nconfig: model {Path(model_path).name}, G={cfg['num_generations']}, prompts={cfg['prompts_per_step']}, "
-          f"new tokens={cfg['max_completion_length']}, beta={cfg['beta']}, loss grpo, LoRA r=16 alpha=32, TRL {trl_version}, "
+          f"new tokens={cfg['max_completion_length']}, beta={cfg['beta']}, loss grpo, LoRA r=16 alpha=32, "
+          f"TRL {trl_version}, "
           f"{args.runs} runs x {steps} steps per arm (first step of each run is a warm-up)")
     print(bl.table([{"arm": a, **v} for a, v in s.items()],
                    ["arm", "median_step_s", "mean_step_s", "timed_steps", "peak_rss_mb", "rss_after_load_mb", "load_s",
@@ -212,7 +220,8 @@ def main(argv=None):
     print(f"step time ours/TRL: {ratio:.3f} (speed-up {1 / ratio:.2f}x); peak RSS ours/TRL: {mem_ratio:.3f}")
     out = {"name": "trl_compare", "quick": args.quick, "trl_version": trl_version, "config": cfg,
            "ours_overrides": args.ours_set, "trl_overrides": args.trl_set, "order": order, "runs": runs, "summary": s,
-           "step_time_ratio_ours_over_trl": ratio, "peak_rss_ratio_ours_over_trl": mem_ratio, "meta": bl.finish_meta(meta)}
+           "step_time_ratio_ours_over_trl": ratio, "peak_rss_ratio_ours_over_trl": mem_ratio,
+           "meta": bl.finish_meta(meta)}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("trl_compare", args.quick), out)
     print(f"wrote {p}")
     tmp.cleanup()

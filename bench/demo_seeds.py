@@ -79,7 +79,8 @@ def main():
                                            higher=sum(d > 0 for d in diffs), sign_flip_p=sign_flip_p(diffs))
         print(f"{arm} - {first}: mean {mean(diffs):+.3f}, lower on {sum(d < 0 for d in diffs)} seeds of {len(diffs)}, "
               f"higher on {sum(d > 0 for d in diffs)}, sign-flip p = {sign_flip_p(diffs):.3f}")
-    print(f"""saved {write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results,
-                                            summary=summary))}""")
+    saved = write_json(a.out, dict(meta=finish_meta(meta), arms={k: ARMS[k] for k in a.arms}, runs=results,
+                                   summary=summary))
+    print(f"saved {saved}")
 
 if __name__ == "__main__": main()

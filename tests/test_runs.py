@@ -274,7 +274,15 @@ def test_only_numbered_checkpoint_folders_are_the_runs(run):
 # --- 9: SIGTERM and SIGINT end the step, save a checkpoint, say where, and exit non-zero
 
 
-SELF_TERM = """
+# A child that is sent signals sets the dispositions it needs itself: the test command may run with SIGHUP ignored
+# (`nohup`), or SIGINT ignored (`&` in a script), and a child inherits what was ignored.
+DEFAULT_SIGNALS = """
+import signal
+for _s in (signal.SIGHUP, signal.SIGTERM): signal.signal(_s, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+SELF_TERM = DEFAULT_SIGNALS + """
 import os, signal, sys
 from mmrgrpo.cli import main
 from mmrgrpo.sampling import HFBackend

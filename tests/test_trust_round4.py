@@ -15,7 +15,7 @@ from mmrgrpo.trainer import train
 TESTS = Path(__file__).resolve().parent
 # reward_fixtures:<name> must import here and in children
 if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
-from test_runs import args, cfg, child_env, names, steps_logged
+from test_runs import DEFAULT_SIGNALS, args, cfg, child_env, names, steps_logged
 
 
 def err_lines(capsys) -> list:
@@ -152,7 +152,7 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
 
 # --- 3: SIGTERM to the process group while rewards run leaves the verifier processes scoring
 
-TERM_WHILE_VERIFYING = """
+TERM_WHILE_VERIFYING = DEFAULT_SIGNALS + """
 import sys, mmrgrpo.rewards as V, reward_fixtures as F       # where accuracy_reward looks verify_batch up
 real = V.verify_batch
 def verify_batch(golds, completions, timeout=2.0, _score_fn=None):     # the first pair's worker sends the SIGTERM

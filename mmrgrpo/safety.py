@@ -6,8 +6,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/safety.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_YAML_VALUES', 'MAX_YAML_DEPTH', 'MAX_FILE_BYTES', 'STARTUP_TIMEOUT_S', 'short_repr', 'clip_text', 'slip_of',
-           'read_yaml', 'read_file_bytes', 'read_utf8', 'read_json', 'replace_file', 'call_with_timeout',
-           'exit_with_parent', 'NamedFunctionProcess', 'exact_rate', 'pruned_count', 'allocated_prompts']
+           'read_yaml', 'not_a_file', 'read_file_bytes', 'read_utf8', 'read_json', 'replace_file', 'in_this_process',
+           'call_with_timeout', 'exit_with_parent', 'NamedFunctionProcess', 'exact_rate', 'pruned_count',
+           'allocated_prompts']
 
 # %% ../nbs/09_safety.ipynb #2ca88664
 import contextlib, difflib, importlib, json, math, os, pickle, reprlib, signal, stat, subprocess, sys, threading, time
@@ -102,6 +103,12 @@ def _kind(mode: int) -> str:
         if test(mode): return kind
     return "not a regular file"
 
+def not_a_file(path) -> str | None:
+    "What `path` is when it is not a regular file ('a named pipe', 'a folder', ...; a link is followed), else None."
+    try: mode = os.stat(path).st_mode            # never opened: a named pipe cannot block here
+    except OSError as e: return f"unreadable ({e.strerror})"
+    return None if stat.S_ISREG(mode) else _kind(mode)
+
 def read_file_bytes(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> bytes:
     "The bytes of regular file `path` (a link is followed); an `error` for anything else, or a file over `limit` bytes."
     try: fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # a named pipe opens at once, and is refused below
@@ -148,14 +155,25 @@ def replace_file(path, data):
         raise
 
 # %% ../nbs/09_safety.ipynb #220434a7
-def call_with_timeout(func, kwargs: dict, timeout: float) -> tuple:
+def in_this_process(func, kwargs: dict):
+    "`func(**kwargs)`; a process `func` forks that returns (or raises) here exits at once: only ours goes on."
+    pid = os.getpid()
+    try: return func(**kwargs)
+    finally:
+        if os.getpid() != pid: os._exit(0)      # a child: never back into the caller's code, nor its buffers flushed
+
+def call_with_timeout(func, kwargs: dict, timeout: float, note: tuple = None) -> tuple:
     "(func(**kwargs), None), or (None, what it raised, or a `TimeoutError` once `timeout` seconds have passed)."
-    box = {}
+    box, deadline = {}, time.monotonic() + timeout
     def call():
-        try: box["out"] = func(**kwargs)
+        try: box["out"] = in_this_process(func, kwargs)
         except BaseException as e: box["error"] = e
     worker = threading.Thread(target=call, daemon=True, name="mmrgrpo-user-code")
-    worker.start(); worker.join(min(timeout, threading.TIMEOUT_MAX))
+    worker.start()
+    if note is not None:              # (seconds, line): what the caller waits for, said once it has waited that long
+        worker.join(min(note[0], timeout, threading.TIMEOUT_MAX))
+        if worker.is_alive() and note[0] < timeout: print(note[1], file=sys.stderr, flush=True)
+    worker.join(min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX))
     if worker.is_alive(): return None, TimeoutError(f"still running after {timeout:g} s")
     return box.get("out"), box.get("error")
 
@@ -182,7 +200,7 @@ def _serve_calls(fd: int, target: str):
         try: kwargs = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError): return
         try:
-            out = func(**kwargs)
+            out = in_this_process(func, kwargs)           # a child it forks never answers in our name
             conn.send(("ok", out.tolist() if hasattr(out, "tolist") else out))
         except BaseException as e: conn.send(("error", type(e).__name__, str(e)))
 
@@ -197,6 +215,7 @@ class NamedFunctionProcess:
     def __init__(self, target: str, func):
         self.target, self.proc, self.conn = target, None, None
         self.__name__ = getattr(func, "__name__", target.partition(":")[2])
+        self.__wrapped__ = func                  # `inspect.signature` reads the function's own parameters
 
     def _start(self):
         self.conn, theirs = Pipe()

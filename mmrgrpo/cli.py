@@ -87,8 +87,9 @@ def main(argv=None):
     args.overrides += [a for a in extra if not a.startswith("-")]       # key=value after --config too
     if options := [a for a in extra if a.startswith("-")]: parser.error(option_hint(options))
     try: return run_command(args)
-    except user_errors() as e:
-        print("error: " + "; ".join(l.strip() for l in str(e).splitlines() if l.strip()), file=sys.stderr); return 2
+    except user_errors() as e:               # its notes too: where a run that failed after some steps can resume
+        said = [*str(e).splitlines(), *getattr(e, "__notes__", ())]
+        print("error: " + "; ".join(l.strip() for l in said if l.strip()), file=sys.stderr); return 2
     except KeyboardInterrupt as e: return interrupted(e)
 
 EXIT_GRACE_S = 10.0    # seconds the ended command waits for threads it did not start (a reward function's)
@@ -180,7 +181,8 @@ MODEL_FIELDS = ("model", "gguf_file", "lora", "lora_r", "lora_alpha", "lora_drop
 def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
     "`c` with the model and adapter settings `checkpoint` was trained with; refuses a differing one given on purpose."
     import dataclasses
-    from mmrgrpo.checkpoints import checkpoint_problem
+    from mmrgrpo.checkpoints import checkpoint_problem, restore_replaced
+    restore_replaced(checkpoint.parent)             # a best-checkpoint that a stop left set aside while replacing it
     if why := checkpoint_problem(checkpoint): raise ConfigError(f"--checkpoint {checkpoint} cannot be used: {why}")
     saved, default = read_config_file(checkpoint / "config.yaml"), GRPOConfig()     # the config loader's guards
     theirs = {k: saved.get(k, getattr(default, k)) for k in MODEL_FIELDS}
@@ -198,6 +200,7 @@ def with_checkpoint_model(c: GRPOConfig, checkpoint: Path) -> GRPOConfig:
 def demo(overrides=(), config=None) -> int:
     "Train SmolLM2-135M-Instruct with LoRA on two-digit sums, on the CPU; print a summary; save plots and metrics."
     from mmrgrpo.trainer import train, plot_rewards
+    from mmrgrpo.checkpoints import note_written
     c = load_config(config, overrides, **({} if config else DEMO))
     keep_config_file(config, c)
     if c.overwrite and not config: claim_demo_folder(Path(c.output_dir))
@@ -210,6 +213,7 @@ def demo(overrides=(), config=None) -> int:
     summary = {"eval_before": res.eval_before, "eval_after": res.eval_after, "best": res.best,
                "steps": len(res.metrics), "wall_s": wall}
     replace_file(res.output_dir / "summary.json", json.dumps(summary, indent=1))
+    note_written(res.output_dir, ["summary.md", "summary.json"])     # the run's: its next overwrite removes them
     print(table)
     print(f"\nreward curve: {png}\nmetrics: {res.output_dir / 'metrics.jsonl'}")
     return 0

@@ -105,6 +105,7 @@ class MetricsLogger:
     def __init__(self, out: Path, backends=("jsonl",), config: dict = None, resume_step: int = None,
                  enabled: bool = True):
         self.enabled, self.path, self.sinks = enabled, Path(out) / "metrics.jsonl", {}
+        self.created = []              # what it made in `out` besides metrics.jsonl: its TensorBoard folder and files
         if not enabled: return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():    # drop lines logged after the checkpoint we resume from
@@ -117,7 +118,11 @@ class MetricsLogger:
         self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
-            self.sinks["tensorboard"] = SummaryWriter(str(Path(out) / "tensorboard"))
+            board = Path(out) / "tensorboard"
+            there = set(board.iterdir()) if board.is_dir() else None
+            self.sinks["tensorboard"] = SummaryWriter(str(board))          # its event file is created here
+            self.created = ["tensorboard"] * (there is None) + [f"tensorboard/{p.name}" for p in board.iterdir()
+                                                                if p not in (there or ())]
         if "wandb" in backends:
             import wandb; self.sinks["wandb"] = wandb.init(project="mmrgrpo", config=config)
         if "trackio" in backends:
@@ -141,6 +146,7 @@ class MetricsLogger:
         if "tensorboard" in self.sinks: self.sinks["tensorboard"].close()
         if "wandb" in self.sinks: self.sinks["wandb"].finish()
 
+# %% ../nbs/40_runlog.ipynb #83b20871
 def read_metrics(path) -> list:
     "The rows of a metrics.jsonl file, a last line cut short (a run stopped while writing it) skipped with a warning."
     path, rows = Path(path), []

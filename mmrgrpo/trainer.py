@@ -6,11 +6,11 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval', 'train', 'save_after_step',
-           'abandon_step', 'Run', 'eval_line', 'log_step', 'keep_if_best', 'best_not_written', 'run_steps',
-           'eval_before_training', 'eval_after_training', 'RunData', 'load_run_data', 'same_file', 'fit_run_data',
-           'make_backend', 'build_step_tools', 'set_up_run', 'speed_settings', 'base_dtype', 'resume', 'report_step',
-           'eval_source', 'build_prompt', 'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions',
-           'plot_rewards']
+           'save_last_step', 'abandon_step', 'weights_version', 'note_failed_step', 'Run', 'eval_line', 'log_step',
+           'keep_if_best', 'best_not_written', 'run_steps', 'eval_before_training', 'eval_after_training', 'RunData',
+           'load_run_data', 'reward_columns', 'same_file', 'fit_run_data', 'make_backend', 'build_step_tools',
+           'set_up_run', 'speed_settings', 'base_dtype', 'resume', 'report_step', 'eval_source', 'build_prompt',
+           'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, os, random, sys, time
@@ -24,7 +24,7 @@ from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
 from .data import _is_file as is_file_source
 from .prompts import format_prompt, default_shots, check_prompt_lengths
-from .rewards import get_reward_funcs, VERIFIED_REWARDS
+from .rewards import get_reward_funcs, check_reward_columns, VERIFIED_REWARDS
 from .models import load_policy, check_model_source, choose_dtype
 from .sampling import HFBackend, Rollout, StepAbandoned
 from .mmr import load_embedder
@@ -34,7 +34,7 @@ from .runlog import Phases, MetricsLogger, read_metrics, process_peak_rss_mb, rs
 from .speedups import speedups, hooks, first_answer, first_hook
 from .checkpoints import (save_checkpoint, latest_checkpoint, load_checkpoint, prepare_output_dir,
                                  output_dir_lock, where_to_resume, TrainingInterrupted, check_output_dir, rng_state,
-                                 set_rng_state, BEST, best_record, CheckpointSaveError)
+                                 set_rng_state, BEST, best_record, CheckpointSaveError, note_written)
 from .signals import StopSignals
 from .step import score, advantages_for, prune, update, rollout_metrics, check_step_memory
 
@@ -145,13 +145,28 @@ def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state
               "holds the weights that step began with", file=sys.stderr)
     save_checkpoint(out, done, tools.model, tools.optimizer, tools.scheduler, c, state, final=final)
 
-def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict):
-    "After a stop signal abandoned step `step + 1`, save step `step` and return the exception that ends the run."
+def save_last_step(c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict) -> Path:
+    "Save completed step `step` with the RNG states `rng` it ended with, unless saved already: its checkpoint, or None."
     ck = out / f"checkpoint-{step}"
     if step and not ck.exists():
         set_rng_state(rng)
         ck = save_checkpoint(out, step, tools.model, tools.optimizer, tools.scheduler, c, state)
-    return stop.abandoned(step + 1, ck if step and ck is not None and ck.exists() else None)
+    return ck if step and ck is not None and ck.exists() else None
+
+def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict):
+    "After a stop signal abandoned step `step + 1`, save step `step` and return the exception that ends the run."
+    return stop.abandoned(step + 1, save_last_step(c, tools, out, step, state, rng))
+
+def weights_version(model) -> int:
+    "A count that grows whenever a trainable weight changes in place (an optimizer step): torch's version counters."
+    return sum(p._version for p in model.parameters() if p.requires_grad)
+
+def note_failed_step(e: Exception, c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict,
+                     untouched: bool):
+    "After error `e` in step `step + 1`: save step `step` if no weight changed (`untouched`), note where to resume."
+    if not step: return                             # nothing was trained yet
+    ck = save_last_step(c, tools, out, step, state, rng) if untouched and rng is not None else None
+    e.add_note(where_to_resume(ck or latest_checkpoint(out)))
 
 # %% ../nbs/44_trainer.ipynb #6041c02d
 @dataclass
@@ -234,8 +249,12 @@ def run_steps(run: Run, start: int, stop_after: int = None, progress: bool = Tru
             records = step_tasks[rank * per_rank:(rank + 1) * per_rank]
             # what a checkpoint of the last step holds, if this one is abandoned
             rng = rng_state() if world == 1 else None
+            version = weights_version(tools.model)
             try: result = train_step(c, tools, records, step_seed(c.seed, step) + rank, counter)
             except StepAbandoned: raise abandon_step(stop, c, tools, out, step, run.state, rng) from None
+            except Exception as e:              # a reward function that raised, say: the steps before it are kept
+                untouched = weights_version(tools.model) == version
+                note_failed_step(e, c, tools, out, step, run.state, rng, untouched); raise
             done = step + 1
             metrics, skipped_update = log_step(run, done, result, bar)
             keep_if_best(run, done, metrics)
@@ -286,6 +305,7 @@ def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoi
     if c.save_best and checkpoint is not None: state["best"] = best_record(out)
     resume_step = start if checkpoint is not None else None
     logger = MetricsLogger(out, c.log_with, asdict(c), resume_step=resume_step, enabled=rank == 0)
+    if logger.created: note_written(out, logger.created)        # its TensorBoard logs: overwrite=true removes them
     evaluate_now = functools.partial(run_eval, tools.backend, data.eval_prompts, data.eval_answers, c, tools.tokenizer,
                                      progress=progress and rank == 0)
     run = Run(c, tools, data, out, stop, rank, world, state, logger, evaluate_now, first_metrics)
@@ -325,6 +345,11 @@ def load_run_data(c: GRPOConfig) -> RunData:
     elif c.eval_size: eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw)
     else: eval_tasks, eval_skipped = [], 0
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
+
+def reward_columns(tasks) -> set:
+    "The data columns the reward functions are called with: every field of the training rows but the question."
+    rows = tasks if isinstance(tasks, list) else tasks_for_step(tasks, 0, 1)       # an endless stream: its first row
+    return {k for row in rows for k in row} - {"question"}
 
 def same_file(a: str, b: str) -> bool:
     "Whether task sources `a` and `b` are both files and the same one (after `~`, links and relative paths)."
@@ -377,6 +402,7 @@ def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
 def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: StopSignals) -> tuple:
     "Load the data, model and step's tools, check the memory, print the precision line: (data, tools, first metrics)."
     data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a load
+    check_reward_columns(get_reward_funcs(c.reward_funcs), reward_columns(data.train_tasks))
     if model is None: model, tokenizer = load_policy(c)
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     # the run's dtypes, "auto" resolved as load_policy did

@@ -67,3 +67,25 @@ def holds_the_interpreter(prompts, completions, **kwargs):
     import re
     re.match(r"(a+)+$", "a" * 28 + "b")
     return varied(prompts, completions)
+
+
+_CALLS = {"fails_second": 0}
+
+
+def fails_second(prompts, completions, **kwargs):
+    "A reward function with a bug that shows at its second call (step 2): step 1 is trained by then."
+    _CALLS["fails_second"] += 1
+    if _CALLS["fails_second"] == 2: raise RuntimeError("cannot score this batch")
+    return varied(prompts, completions)
+
+
+def forks(prompts, completions, **kwargs):
+    "A reward function that forks (as a library may): its child returns scores of 100, its parent `varied`'s."
+    import os
+    return [100.0] * len(completions) if os.fork() == 0 else varied(prompts, completions)
+
+
+def clipped(prompts, completions, bounds=(0.0, 1.0), **kwargs):
+    "A reward function with a setting of its own, `bounds`, that a data column of that name must not replace."
+    low, high = bounds
+    return [min(max(float(len(c) % 3), low), high) for c in completions]

@@ -68,7 +68,7 @@ def on_config(config):
         sections.setdefault("Lessons" if folder == "." else folder.replace("_", " ").capitalize(), []).append(
             {nav_label(path): uri})
     nav += [{name: items} for name, items in sections.items()]
-    reference = [{title(path): uri} for uri, path in pages if path.suffix == ".md"]
+    reference = [{path.name: uri} for uri, path in pages if path.suffix == ".md"]   # named as the lessons cite them
     config.nav = nav + ([{"Reference": reference}] if reference else [])
     return config
 

@@ -23,8 +23,7 @@ def hidden(path: Path) -> bool:
 
 
 def lesson_order(nbs: Path) -> list:
-    """Every notebook in reading order: nbs/index.ipynb first, then nbs/*.ipynb by file name, then each folder's notebooks
-    by path (folders by name, tutorials/ last)."""
+    "Every notebook in reading order: index.ipynb, the top-level ones by name, then each folder's (tutorials/ last)."
     top = sorted(p for p in nbs.glob("*.ipynb") if p.name != "index.ipynb")
     folders = sorted((d for d in nbs.iterdir() if d.is_dir() and not hidden(d.relative_to(nbs))),
                      key=lambda d: (d.name == "tutorials", d.name))
@@ -105,8 +104,7 @@ HEADING = re.compile(r'<h([1-6])([^>]*?) id="([^"]*)"([^>]*)>(.*?)</h\1>', re.S)
 
 
 def unique_headings(html: str) -> tuple:
-    """`html` with each heading's id made unique (a repeated title gets `_1`, `_2`, as Markdown pages do) and its
-    table of contents as mkdocs' toc tokens, read from the headings themselves so that every entry finds its heading."""
+    "`html` with unique heading ids (`_1`, `_2` as on Markdown pages), and its table of contents read from them."
     seen, tokens, stack = {}, [], []
     def fix(m):
         level, before, hid, after, inner = int(m.group(1)), m.group(2), m.group(3), m.group(4), m.group(5)

@@ -75,7 +75,8 @@ def test_the_readme_python_runs_and_replaces_no_run(tmp_path):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "demo.yaml").write_text(yaml.safe_dump(demo))
     after = ("\nassert prompts[0].count('What is') == 2, prompts[0]   # the worked example's question, then ours"
-             "\ntry: mmrgrpo.train(config)\nexcept Exception as e: print('second run:', e)\nelse: print('second run: trained')")
+             "\ntry: mmrgrpo.train(config)\nexcept Exception as e: print('second run:', e)"
+             "\nelse: print('second run: trained')")
     r = subprocess.run([sys.executable, "-c", block + after], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,11 +13,13 @@ import site_check  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from test_lesson_order import lesson_order  # noqa: E402
 
+NBS = ROOT / "nbs"
 LESSONS = ["16_advantages.ipynb", "17_loss.ipynb"]   # small lessons whose only links go to ALGORITHMS.md
 
 
 def notebook(*markdown: str) -> dict:
-    return {"cells": [{"cell_type": "markdown", "id": f"c{i}", "metadata": {}, "source": s} for i, s in enumerate(markdown)],
+    cells = [{"cell_type": "markdown", "id": f"c{i}", "metadata": {}, "source": s} for i, s in enumerate(markdown)]
+    return {"cells": cells,
             "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
             "nbformat": 4, "nbformat_minor": 5}
 
@@ -37,8 +39,6 @@ def mini_repo(tmp_path: Path) -> Path:
                                                  "the formulas: [ALGORITHMS.md](ALGORITHMS.md)."))
     return repo
 
-
-NBS = ROOT / "nbs"
 
 
 def site_sh(repo: Path) -> subprocess.CompletedProcess:
@@ -67,7 +67,8 @@ def test_the_order_comes_from_file_names_and_folders(tmp_path):
 
 def test_a_navigation_out_of_order_is_found():
     expected = ["index.html", "nbs/01_a.html", "nbs/02_b.html"]
-    assert site_check.order_problems(["index.html", "nbs/01_a.html", "nbs/02_b.html", "ALGORITHMS.html"], expected) == []
+    in_order = ["index.html", "nbs/01_a.html", "nbs/02_b.html", "ALGORITHMS.html"]
+    assert site_check.order_problems(in_order, expected) == []
     assert "the lesson order" in site_check.order_problems(["index.html", "nbs/02_b.html", "nbs/01_a.html"],
                                                            expected)[0]
     assert "missing ['nbs/02_b.html']" in site_check.order_problems(["index.html", "nbs/01_a.html"], expected)[0]

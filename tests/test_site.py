@@ -2,7 +2,7 @@
 on a clean site and fails on a broken link, anchor or image planted in a notebook. The browser tests build a small site
 (two lessons copied from nbs/, a home page) under the test's temporary folder. Skipped, with the reason, where mkdocs
 or a Chromium is missing (`pip install -e ".[dev]"`, `tools/install_browser.sh`)."""
-import importlib.util, json, shutil, subprocess, sys
+import importlib.util, json, re, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +94,27 @@ def test_a_broken_link_anchor_or_image_fails(tmp_path):
     for problem in ["broken link nbs/18_missing.ipynb", "broken anchor nbs/16_advantages.html#nowhere",
                     "images/missing.png did not load", "FAILED, 3 problem(s)"]:
         assert problem in r.stdout, r.stdout
+
+
+def github_anchor(heading: str) -> str:
+    "The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_and_benchmark_pages_links_resolve_on_github():
+    "Every relative link in README.md and the top-level pages names a file of the repository, and its anchor a heading."
+    bad = []
+    for page in sorted(ROOT.glob("*.md")):            # README.md, ALGORITHMS.md, BENCHMARKS*.md
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"): continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists(): bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and anchor not in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), re.M)}:
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def test_github_anchors_are_computed_as_github_does():
+    assert github_anchor("6. GPU check (`bench/gpu_check.sh`)") == "6-gpu-check-benchgpu_checksh"
+    assert github_anchor("8. The issue's machine: a 2-core AMD EPYC") == "8-the-issues-machine-a-2-core-amd-epyc"

@@ -35,8 +35,10 @@ def mini_repo(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "docs", repo / "docs")
     shutil.copy(ROOT / "ALGORITHMS.md", repo / "ALGORITHMS.md")
     for name in LESSONS: write(repo / "nbs" / name, json.loads((NBS / name).read_text()))
+    shutil.copytree(ROOT / "configs", repo / "configs")
     write(repo / "nbs" / "index.ipynb", notebook("# mini\n\nStart with [advantages](nbs/16_advantages.ipynb); "
-                                                 "the formulas: [ALGORITHMS.md](ALGORITHMS.md)."))
+                                                 "the formulas: [ALGORITHMS.md](ALGORITHMS.md); the demo's "
+                                                 "[config](configs/demo.yaml)."))
     return repo
 
 
@@ -79,6 +81,8 @@ def test_a_clean_site_passes(tmp_path):
     r = site_sh(mini_repo(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "site_check: passed" in r.stdout and "search for 'advantages'" in r.stdout, r.stdout
+    home = (tmp_path / "repo" / "_site" / "index.html").read_text()   # a file the site does not carry: on GitHub
+    assert 'href="https://github.com/mmrgrpo/mmrgrpo/blob/main/configs/demo.yaml"' in home
 
 
 @pytest.mark.browser

@@ -67,55 +67,67 @@ def local_path(site: Path, url: str, base: str):
     return site / path / "index.html" if not path or path.endswith("/") else site / path
 
 
+def visit(tab, base: str, pages: list) -> tuple:
+    "Load every page in the browser: what each page reports (PAGE_FACTS), and its errors, failed loads and images."
+    facts, problems, errors = {}, [], []
+    tab.on("pageerror", lambda e: errors.append(f"JavaScript error: {e}"))
+    # a failed load is reported with its URL (images by the image check), not as the console's line about it
+    tab.on("console", lambda m: errors.append(f"console error: {m.text}")
+           if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
+    tab.on("response", lambda r: errors.append(f"{r.url[len(base):]}: HTTP {r.status}")
+           if r.url.startswith(base) and r.status >= 400 and r.request.resource_type != "image" else None)
+    for rel in pages:
+        errors.clear()
+        response = tab.goto(base + rel, wait_until="load")
+        if not response or not response.ok: problems.append(f"{rel}: HTTP {response and response.status}")
+        facts[rel] = tab.evaluate(PAGE_FACTS)
+        problems += [f"{rel}: {e}" for e in errors]
+        problems += [f"{rel}: image {i['src'][:120]} did not load" for i in facts[rel]["images"]
+                     if not i["ok"] and i["src"].startswith((base, "data:"))]
+    return facts, problems
+
+
+def link_problems(site: Path, base: str, facts: dict) -> list:
+    "Links to the site's own files that name no file, or an anchor that the page they name does not have."
+    problems = []
+    for rel, f in facts.items():
+        for link in f["links"]:
+            url, anchor = urldefrag(link)
+            target = local_path(site, url, base)
+            if target is None: continue
+            if not target.is_file(): problems.append(f"{rel}: broken link {link[len(base):]}")
+            elif anchor and target.suffix == ".html":
+                ids = facts.get(target.relative_to(site).as_posix(), {}).get("ids", [])
+                if unquote(anchor) not in ids: problems.append(f"{rel}: broken anchor {link[len(base):]}")
+    return problems
+
+
 def check(site: Path, root: Path, word: str) -> list:
+    "Every problem the browser finds on the site in `site`, built from the repository `root`."
     from playwright.sync_api import sync_playwright
     exe = find_browser()
     if not exe: return ["no Chromium found: run tools/install_browser.sh, or set MMRGRPO_CHROMIUM to one"]
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html") if p.name != "404.html")
     server = serve(site)
     base = f"http://127.0.0.1:{server.server_address[1]}/"
-    problems, facts = [], {}
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=exe, args=ARGS)
             context = browser.new_context()
             context.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base)
-                          else route.abort())
+                          else route.abort())   # no network: other hosts' scripts and images are refused
             tab = context.new_page()
-            errors = []
-            tab.on("pageerror", lambda e: errors.append(f"JavaScript error: {e}"))
-            # a failed load is reported with its URL (images by the image check), not as the console's line about it
-            tab.on("console", lambda m: errors.append(f"console error: {m.text}")
-                   if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
-            tab.on("response", lambda r: errors.append(f"{r.url[len(base):]}: HTTP {r.status}")
-                   if r.url.startswith(base) and r.status >= 400 and r.request.resource_type != "image" else None)
-            for rel in pages:
-                errors.clear()
-                response = tab.goto(base + rel, wait_until="load")
-                if not response or not response.ok: problems.append(f"{rel}: HTTP {response and response.status}")
-                facts[rel] = tab.evaluate(PAGE_FACTS)
-                problems += [f"{rel}: {e}" for e in errors]
-                problems += [f"{rel}: image {i['src'][:120]} did not load" for i in facts[rel]["images"]
-                             if not i["ok"] and i["src"].startswith((base, "data:"))]
-            for rel, f in facts.items():
-                for link in f["links"]:
-                    url, anchor = urldefrag(link)
-                    target = local_path(site, url, base)
-                    if target is None: continue
-                    if not target.is_file(): problems.append(f"{rel}: broken link {link[len(base):]}")
-                    elif anchor and target.suffix == ".html":
-                        ids = facts.get(target.relative_to(site).as_posix(), {}).get("ids", [])
-                        if unquote(anchor) not in ids: problems.append(f"{rel}: broken anchor {link[len(base):]}")
-            nav = [p.relative_to(site).as_posix() for p in
-                   filter(None, (local_path(site, urldefrag(u)[0], base) for u in facts["index.html"]["nav"]))]
-            problems += order_problems(nav, expected_nav(root))
+            facts, problems = visit(tab, base, pages)
+            problems += link_problems(site, base, facts)
+            nav = [local_path(site, urldefrag(u)[0], base) for u in facts.get("index.html", {}).get("nav", [])]
+            problems += order_problems([p.relative_to(site).as_posix() for p in nav if p], expected_nav(root))
             problems += search_problems(tab, base, word)
             browser.close()
     finally:
         server.shutdown()
     print(f"site_check: {len(pages)} pages, {sum(len(f['links']) for f in facts.values())} links, "
           f"{sum(len(f['images']) for f in facts.values())} images checked")
-    return problems
+    return list(dict.fromkeys(problems))   # a link repeated on a page is one problem
 
 
 def search_problems(tab, base: str, word: str) -> list:

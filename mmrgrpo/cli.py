@@ -162,8 +162,8 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     run_eval_size = None                  # the eval_size of the run whose held-out rows of a file are scored
     if checkpoint: c, run_eval_size = with_checkpoint_task(with_checkpoint_model(c, Path(checkpoint)), checkpoint)
     src, tasks = eval_source(c), held_out_tasks(c, run_eval_size)
-    tasks = fit_prompts(policy_tokenizer(c), c, tasks, src, "test")[0]       # before the weights load
-    model, tok = load_policy(c)
+    tasks = fit_prompts(tok := policy_tokenizer(c), c, tasks, src, "test")[0]       # before the weights load
+    model, tok = load_policy(c, tokenizer=tok)
     if checkpoint:
         from mmrgrpo.checkpoints import load_checkpoint
         import torch

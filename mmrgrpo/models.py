@@ -352,19 +352,20 @@ def check_weights(model_name: str, path: str):
                           "(model.safetensors or pytorch_model.bin): "
                           "point at a folder that save_pretrained wrote whole, or at a .gguf file")
 
-def load_policy(c: GRPOConfig, device: str = None):
+def load_policy(c: GRPOConfig, device: str = None, tokenizer=None):
     "Load (model, tokenizer) for the config: base weights (optionally 4-bit), then a LoRA adapter if `c.lora`."
+    # tokenizer: the one `policy_tokenizer(c)` gave, not loaded again
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
     if c.model == "tiny-random":
-        tok = load_tokenizer(resolve_model("smollm2"))
+        tok = tokenizer if tokenizer is not None else load_tokenizer(resolve_model("smollm2"))
         model = tiny_random_model(tok, seed=c.seed).to(precision.weights)
     else:
         path = resolve_model(c.model, c.gguf_file)
         with refuse_remote_code("model", c.model):
             check_context(c, AutoConfig.from_pretrained(path, trust_remote_code=c.trust_remote_code))
-        tok = load_tokenizer(path, c.trust_remote_code)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(path, c.trust_remote_code)
         check_weights(c.model, path)     # after the checks above: a folder's own code matters more than missing weights
         kw = dict(dtype=precision.weights)
         if c.load_in_4bit:

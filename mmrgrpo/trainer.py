@@ -394,8 +394,9 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     "Load the data, model and step's tools, check the memory, print the precision line: (data, tools, first metrics)."
     data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a load
     # and the prompts, with the tokenizer alone: a prompt too long, too, fails before the weights load
-    data = fit_run_data(tokenizer if tokenizer is not None else policy_tokenizer(c), c, data)
-    if model is None: model, tokenizer = load_policy(c)
+    if tokenizer is None: tokenizer = policy_tokenizer(c)
+    data = fit_run_data(tokenizer, c, data)
+    if model is None: model, tokenizer = load_policy(c, tokenizer=tokenizer)
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     # the run's dtypes, "auto" resolved as load_policy did
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)

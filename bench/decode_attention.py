@@ -4,8 +4,8 @@ Torch's `scaled_dot_product_attention` and the two ways of writing it by hand ea
 config, interleaved. The two hand-written ways lost, so they live here and not in the package; this script is the
 record of why.
 
-Attention was the largest piece of a generation that no fusion touched (section 0a of BENCHMARKS.md: 0.25-0.6 ms a
-call, 29% of a generation under the profiler), because torch's CPU kernel works one row and head at a time with one
+Attention was the largest piece of a generation that no fusion touched (section 0a of BENCHMARKS_HISTORY.md: 0.25-0.6 ms
+a call, 29% of a generation under the profiler), because torch's CPU kernel works one row and head at a time with one
 query each. Arms:
 - `sdpa`: `FusedDecoder` as it is (`61a_fused_decode`): SDPA over each row's cached keys `[:n]`, grouped key-value
   heads;

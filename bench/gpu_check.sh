@@ -24,7 +24,8 @@
 #   colab      120  nbs/tutorials/colab_qlora.ipynb at reduced size: only where nbdev/execnb import (not in the payload)
 #   suite     rest  python -m pytest -q -x --timeout 120 tests -m "not browser and not slow" with CUDA visible: counts
 # Not a stage (it needs the bench extra, pip install trl==1.16.0, and minutes more): issue 47's comparison with TRL,
-#   python bench/gpu_compare.py --device cuda --out bench/results/gpu_compare_h200.json   (BENCHMARKS section 6a)
+#   python bench/gpu_compare.py --device cuda --out bench/results/gpu_compare_h200.json
+#   (BENCHMARKS_HISTORY.md section 6a)
 # Each stage's status (passed/failed/skipped), wall time and peak GPU memory (nvidia-smi, whole GPU, every 250 ms) go to
 # the summary, with each run's own numbers: precision, median step times, torch's peak allocated memory, rewards,
 # accuracy, gradient errors, pytest counts. At most three files stay in OUT: gpu_check.json, gpu_check_logs.tgz and

@@ -481,12 +481,15 @@ def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:
     return check_config(GRPOConfig(**vals))
 
 def load_config(path=None, overrides=(), **kwargs) -> GRPOConfig:
-    "Read a YAML config file (optional), apply keywords, then `key=value` overrides (these win), and check it all."
-    d = {}
-    if path is not None:
-        path = Path(path); d = read_config_file(path)
+    "Read a YAML config file or a mapping (optional), apply keywords, then `key=value` overrides (these win), check."
+    d, source = {}, "config"
+    if isinstance(path, typing.Mapping): d = dict(path)
+    elif isinstance(path, (str, os.PathLike)): path = Path(path); d, source = read_config_file(path), str(path)
+    elif path is not None:
+        raise ConfigError(f"load_config takes a YAML file's path or a mapping of fields, got {_show(path)} (type "
+                          f"{type(path).__name__}): e.g. load_config('config.yaml') or load_config({{'steps': 5}})")
     d.update(kwargs); d.update(parse_overrides(overrides))
-    return config_from_dict(d, source=str(path) if path else "config")
+    return config_from_dict(d, source=source)
 
 def save_config(c: GRPOConfig, path):
     "Write the config as YAML (every field, so the run can be reproduced from it alone)."

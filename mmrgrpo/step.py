@@ -6,11 +6,11 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune', 'group_passes',
-           'pass_positions', 'micro_batches', 'splits_groups', 'machine_memory', 'estimate_step_memory',
-           'check_step_memory', 'importance_cap', 'needs_grad_scaler', 'grad_scaler', 'shares_prompts', 'pass_stats',
-           'pass_context', 'policy_stats', 'batch_logprobs', 'choose_tokens', 'UpdateBatch', 'reference_pass',
-           'old_logprob_pass', 'token_pass', 'sampler_weights', 'micro_batch_pass', 'optimizer_step', 'update_metrics',
-           'update']
+           'pass_positions', 'micro_batches', 'largest_micro_batch', 'splits_groups', 'machine_memory',
+           'estimate_step_memory', 'check_step_memory', 'importance_cap', 'needs_grad_scaler', 'grad_scaler',
+           'shares_prompts', 'pass_stats', 'pass_context', 'policy_stats', 'batch_logprobs', 'choose_tokens',
+           'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass', 'sampler_weights', 'micro_batch_pass',
+           'optimizer_step', 'update_metrics', 'update']
 
 # %% ../nbs/41_step.ipynb #3ef80582
 import contextlib, math, sys, weakref
@@ -123,6 +123,15 @@ def micro_batches(group_ids: torch.Tensor,  # (N,) group id of each row, a group
     if device_type != "cpu": return [slice(0, n)]
     return group_passes(group_runs(group_ids).tolist(), width, positions)
 
+def largest_micro_batch(n_rows: int, G: int, T: int, size: int = 0, device_type: str = "cpu",
+                        positions: int = CPU_MICRO_BATCH_POSITIONS) -> int:
+    "Rows in the largest of `micro_batches`' passes over `n_rows` rows (groups of `G`, `T` positions), by arithmetic."
+    if size: return min(size, n_rows)
+    if device_type != "cpu": return n_rows
+    n_groups, per_pass = n_rows // G, max(1, positions // (G * T))      # greedy packing: whole groups within the budget
+    passes = -(-n_groups // per_pass)
+    return -(-n_groups // passes) * G                                     # evened out: the largest share
+
 def splits_groups(group_ids: torch.Tensor, slices: list) -> bool:
     "True when some group's rows fall into two micro-batches (token selection then scores in a pass of its own)."
     return any(bool(group_ids[s.start - 1] == group_ids[s.start]) for s in slices[1:])
@@ -149,9 +158,7 @@ def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt
     a = 2 if choose_dtype(device_type, autocast=c.autocast_bf16).autocast is not None else params[0].element_size()
     G, T, P = c.num_generations, c.max_completion_length, min(prompt_tokens or c.max_prompt_length, c.max_prompt_length)
     n_rows = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation) // world * G
-    group_ids = torch.arange(n_rows // G).repeat_interleave(G)
-    slices = micro_batches(group_ids, T, c.micro_batch_size, device_type, pass_positions(c, device_type))
-    mb = max(s.stop - s.start for s in slices)
+    mb = largest_micro_batch(n_rows, G, T, c.micro_batch_size, device_type, pass_positions(c, device_type))
     if c.share_prompt and not c.gradient_checkpointing: mb_positions = (mb // G + (2 if mb % G else 0)) * P + mb * T
     else: mb_positions = mb * (P + T)
     kv_row = L * 2 * kv * head_dim * a                     # one token's keys and values, all layers
@@ -174,10 +181,13 @@ def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: boo
     total, available = machine_memory(next(model.parameters()).device)
     if total is None: return est
     shape = f"{est['rows']} completions of {c.max_completion_length} tokens per process"
+    allocated = prompts_to_sample(c.prompts_per_step, c.prune_rate, c.allocation)
     if est["certain"] > total:
+        scaled = (f"; prompts_per_step={c.prompts_per_step} with allocation at prune_rate={c.prune_rate} samples "
+                  f"{allocated} prompts" if allocated != c.prompts_per_step else "")
         raise ConfigError(f"a step needs at least {_gib(est['certain'])} (weights, optimizer state and the KV cache of "
-                          f"{shape}) and this machine has {_gib(total)}: lower num_generations, prompts_per_step or "
-                          "max_completion_length")
+                          f"{shape}{scaled}) and this machine has {_gib(total)}: lower num_generations, "
+                          f"prompts_per_step{', prune_rate' if scaled else ''} or max_completion_length")
     if warn and est["total"] > available:
         shown = ("weights", "optimizer", "kv_cache", "activations", "update_logits")
         by_part = ", ".join(f"{k} {_gib(est[k])}" for k in shown)

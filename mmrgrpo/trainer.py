@@ -8,9 +8,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/trainer.html.md"""
 __all__ = ['StepTools', 'StepResult', 'train_step', 'completions_table', 'TrainResult', 'run_eval', 'train', 'save_after_step',
            'save_last_step', 'abandon_step', 'weights_version', 'note_failed_step', 'Run', 'eval_line', 'log_step',
            'keep_if_best', 'best_not_written', 'run_steps', 'eval_before_training', 'eval_after_training', 'RunData',
-           'load_run_data', 'reward_columns', 'same_file', 'fit_run_data', 'make_backend', 'build_step_tools',
-           'set_up_run', 'speed_settings', 'base_dtype', 'resume', 'report_step', 'eval_source', 'build_prompt',
-           'step_seed', 'fit_prompts', 'longest_prompt', 'short_questions', 'plot_rewards']
+           'load_run_data', 'check_held_out', 'same_file', 'fit_run_data', 'make_backend', 'build_step_tools',
+           'set_up_run', 'reward_columns', 'speed_settings', 'base_dtype', 'resume', 'report_step', 'eval_source',
+           'build_prompt', 'step_seed', 'fit_prompts', 'check_prompt_room', 'check_stream_prompts', 'longest_prompt',
+           'short_questions', 'plot_rewards']
 
 # %% ../nbs/44_trainer.ipynb #a3797925
 import functools, io, os, random, sys, time
@@ -22,10 +23,10 @@ from tqdm.auto import tqdm
 from .config import GRPOConfig, ConfigError, MAX_CHARS_PER_TOKEN, check_config, prompts_to_sample
 from .safety import replace_file
 from .data import load_tasks, tasks_for_step, task_source, holds_out_rows, split_held_out, DataError, READERS
-from .data import _is_file as is_file_source
-from .prompts import format_prompt, default_shots, check_prompt_lengths
+from .data import ArithmeticStream, shared_questions, _is_file as is_file_source
+from .prompts import format_prompt, default_shots, check_prompt_lengths, frame_tokens
 from .rewards import get_reward_funcs, check_reward_columns, VERIFIED_REWARDS
-from .models import load_policy, check_model_source, choose_dtype
+from .models import load_policy, check_model_source, choose_dtype, policy_tokenizer
 from .sampling import HFBackend, Rollout, StepAbandoned
 from .mmr import load_embedder
 from .evaluation import evaluate
@@ -342,14 +343,25 @@ def load_run_data(c: GRPOConfig) -> RunData:
     train_tasks, skipped = loaded if isinstance(loaded, tuple) else (loaded, 0)     # a stream skips nothing
     if c.eval_size and holds_out_rows(c.task, c.eval_task):      # a file has no test split: hold some of its rows out
         (train_tasks, eval_tasks), eval_skipped = split_held_out(train_tasks, c.eval_size, c.task), 0
-    elif c.eval_size: eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw)
+    elif c.eval_size:
+        eval_tasks, eval_skipped = load_tasks(eval_source(c), "test", limit=c.eval_size, **load_kw)
+        check_held_out(c, train_tasks, eval_tasks)
     else: eval_tasks, eval_skipped = [], 0
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
 
-def reward_columns(tasks) -> set:
-    "The data columns the reward functions are called with: every field of the training rows but the question."
-    rows = tasks if isinstance(tasks, list) else tasks_for_step(tasks, 0, 1)       # an endless stream: its first row
-    return {k for row in rows for k in row} - {"question"}
+def check_held_out(c: GRPOConfig, train_tasks, eval_tasks: list):
+    "Refuse held-out rows that are all training rows (by their questions), and warn, with the count, where some are."
+    if not (isinstance(train_tasks, list) and eval_tasks): return
+    if not (shared := shared_questions(eval_tasks, train_tasks)): return
+    held = f"eval_task={c.eval_task!r}" if c.eval_task else f"the test split of task={c.task!r}"
+    said = f"held-out rows of {held} are training rows of task={c.task!r} (the same question"
+    if shared == len(eval_tasks):
+        raise ConfigError(f"all {shared} {said}s), so the held-out accuracy would be a training accuracy: name other "
+                          "held-out data" + (f", or leave eval_task out (the run then holds eval_size={c.eval_size} "
+                                             "rows of the file out)" if is_file_source(c.task) else ""))
+    if dist_info()[0] == 0:
+        print(f"WARNING: {shared} of the {len(eval_tasks)} {said}): their accuracy is not held-out; remove them from "
+              "one of the two", file=sys.stderr)
 
 def same_file(a: str, b: str) -> bool:
     "Whether task sources `a` and `b` are both files and the same one (after `~`, links and relative paths)."
@@ -403,11 +415,13 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     "Load the data, model and step's tools, check the memory, print the precision line: (data, tools, first metrics)."
     data = load_run_data(c)                        # before the model: a bad row fails in seconds, not after a load
     check_reward_columns(get_reward_funcs(c.reward_funcs), reward_columns(data.train_tasks))
-    if model is None: model, tokenizer = load_policy(c)
+    # and the prompts, with the tokenizer alone: a prompt too long, too, fails before the weights load
+    if tokenizer is None: tokenizer = policy_tokenizer(c)
+    data = fit_run_data(tokenizer, c, data)
+    if model is None: model, tokenizer = load_policy(c, tokenizer=tokenizer)
     device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     # the run's dtypes, "auto" resolved as load_policy did
     precision = choose_dtype(device, c.dtype, c.autocast_bf16, frozen_base=c.lora)
-    data = fit_run_data(tokenizer, c, data)
     speed = speed_settings(c, model, device)       # the speed-ups' settings, before the sampler copies the weights
     tools = build_step_tools(c, model, tokenizer)
     sampler_model = getattr(tools.backend, "model", tools.model)
@@ -422,6 +436,11 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}"
                         + ("" if speedups() else "; no speed-ups installed (plain GRPO)"))
     return data, tools, {**precision.metrics(), "precision/sampler": sampler, **speed}
+
+def reward_columns(tasks) -> set:
+    "The data columns the reward functions are called with: every field of the training rows but the question."
+    rows = tasks if isinstance(tasks, list) else tasks_for_step(tasks, 0, 1)       # an endless stream: its first row
+    return {k for row in rows for k in row} - {"question"}
 
 def speed_settings(c: GRPOConfig, model, device) -> dict:
     "Every speed-up's `set_up` for this run, lowest rank first; with the frozen base's dtype, the first row's metrics."
@@ -480,16 +499,36 @@ def step_seed(seed: int, step: int) -> int:
 
 def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train") -> tuple:
     "(the tasks whose prompts fit in `max_prompt_length` tokens, how many were dropped); a longer one is a DataError."
-    # an endless arithmetic stream: short prompts by construction
-    if not isinstance(tasks, list) or not tasks: return tasks, 0
-    n_before = len(tasks)
+    if isinstance(tasks, list) and not tasks: return tasks, 0
     name = task if Path(task).suffix in READERS else f"{task} ({split})"
+    check_prompt_room(tokenizer, c, task)           # the frame every prompt shares: one error, not one for each row
+    if not isinstance(tasks, list):                 # an endless stream: short questions, of which a sample is checked
+        if isinstance(tasks, ArithmeticStream): check_stream_prompts(tokenizer, c, tasks, task, name)
+        return tasks, 0
+    n_before = len(tasks)
     tasks = short_questions(c, tasks, name)          # by characters first: a 200 MB question would abort the tokenizer
     prompts = [build_prompt(tokenizer, c, t["question"], task) for t in tasks]
     keep = check_prompt_lengths(tokenizer, prompts, c.max_prompt_length, source=name, skip_bad_rows=c.skip_bad_rows)
     if not keep:
         raise DataError(f"{name}: every prompt is longer than max_prompt_length={c.max_prompt_length}: raise it")
     return [tasks[i] for i in keep], n_before - len(keep)
+
+# %% ../nbs/44_trainer.ipynb #9937c92e
+def check_prompt_room(tokenizer, c: GRPOConfig, task: str):
+    "A `ConfigError` where what every prompt holds besides its question is longer than `max_prompt_length` alone."
+    frame = frame_tokens(tokenizer, c.system_prompt, default_shots(task, c.num_shots))
+    if frame > c.max_prompt_length:
+        raise ConfigError(f"system_prompt, the num_shots={c.num_shots} worked example(s) and the chat template take "
+                          f"{frame} tokens of every prompt, more than max_prompt_length={c.max_prompt_length}: "
+                          "shorten system_prompt, lower num_shots or raise max_prompt_length")
+
+def check_stream_prompts(tokenizer, c: GRPOConfig, stream: ArithmeticStream, task: str, name: str, n: int = 16):
+    "A `DataError` where a sample of an endless stream's prompts is longer than `max_prompt_length`."
+    prompts = [build_prompt(tokenizer, c, t["question"], task) for t in stream.tasks(0, n, c.seed)]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    if longest > c.max_prompt_length:
+        raise DataError(f"{name}: its prompts take up to {longest} tokens, more than max_prompt_length="
+                        f"{c.max_prompt_length}: raise max_prompt_length, shorten system_prompt or lower num_shots")
 
 def longest_prompt(tokenizer, c: GRPOConfig, data: RunData, n: int = 32) -> int:
     "Tokens in the longest training prompt, for the memory estimate (0: unknown)."

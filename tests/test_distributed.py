@@ -176,7 +176,9 @@ def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
     import torch.distributed as dist
     from mmrgrpo.distributed import init_distributed
     asked, devices = [], []
-    monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("LOCAL_RANK", "1")
+    # what torchrun sets in the second of two processes
+    for k, v in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

@@ -30,14 +30,14 @@ NOT_OUTPUTS = {
     "step": {"2.0": "TRL's and the config's importance-weight cap: a setting",
              "8.0": "the compute capability below which GPUs autocast in float16: a hardware threshold"},
 }
-# Markdown cells that quote a measurement made elsewhere, which they name (a bench/ results file or BENCHMARKS.md):
+# Markdown cells that quote a measurement made elsewhere, which they name (a bench/ results file or BENCHMARKS*.md):
 # (lesson, cell id) -> why
 ELSEWHERE = {
     ("sampler_copy", "efe362ee"): "the generation benchmark at c1d5ab7 (generation.json as of 2996c64)",
     ("fused_decode", "66b4fc94"): "one decode step, from bench/results/decode_step.json",
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
     ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
-    ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS.md reports it",
+    ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS_HISTORY.md reports it",
 }
 # Markdown cells that also quote the outputs of a cell further away: (lesson, markdown cell id) -> code cell ids
 QUOTES = {
@@ -195,7 +195,7 @@ def test_the_exceptions_are_needed_and_name_their_source():
         cells = load(LESSONS[name])["cells"]
         index = next(i for i, c in enumerate(cells) if c.get("id") == cid)
         source = "".join(cells[index]["source"])
-        assert "bench/" in source or "BENCHMARKS.md" in source, f"{name} {cid} does not name its measurement"
+        assert "bench/" in source or "BENCHMARKS" in source, f"{name} {cid} does not name its measurement"
         others = {k: v for k, v in ELSEWHERE.items() if k != (name, cid)}
         flagged = {i for i, _, _ in mismatches(load(LESSONS[name]), name, elsewhere=others)}
         assert index in flagged, f"{name} {cid} ({why}) needs no exception now"

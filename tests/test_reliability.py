@@ -23,7 +23,7 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path: sys.path.insert(0, str(TESTS))
 
 # fp32 throughout: these tests compare runs bit for bit, and on a CPU with AMX the fused bf16 decoder ("auto" there) has
-# given one of two results in separate processes (BENCHMARKS.md, section 0a)
+# given one of two results in separate processes (BENCHMARKS_HISTORY.md, section 0a)
 BASE = dict(model="tiny-random", num_generations=4, prompts_per_step=2, max_completion_length=8, eval_size=0,
             log_completions_every=0, save_every=1, learning_rate=1e-3, reward_funcs=["reward_fixtures:varied"],
             reward_weights=None, autocast_bf16=False, sampler_dtype="float32")

@@ -62,3 +62,15 @@ def cpu_with(flags) -> "CPUSupport":
     units = sorted(flags & {"avx512_bf16", "amx_bf16"})
     return CPUSupport(bf16, amx, bf16 or "avx512bw" in flags,
                       f"CPU with {', '.join(units)}" if units else "CPU without avx512_bf16/amx")
+
+
+@pytest.fixture(autouse=True)
+def stand_in_gpu_when_asked():
+    """MMRGRPO_STAND_IN_GPU=<compute capability> (e.g. 8.0): every test runs with a stand-in GPU visible
+    (tests/fake_cuda.py), to check on a CPU that a test which asserts the CPU's choices pins the CPU."""
+    wanted = os.environ.get("MMRGRPO_STAND_IN_GPU")
+    if not wanted:
+        yield
+        return
+    from fake_cuda import stand_in_gpu
+    with stand_in_gpu(tuple(int(x) for x in wanted.split("."))): yield

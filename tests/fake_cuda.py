@@ -53,9 +53,9 @@ class GPUState:
 
     def called(self, name): self.calls[name] = self.calls.get(name, 0) + 1
 
-    def track(self, t: "OnGPU"):
-        "Count the storage under a new stand-in tensor while any stand-in tensor holds it."
-        storage = t.inner.untyped_storage()
+    def track(self, t: torch.Tensor):
+        "Count the storage under a new stand-in tensor's host tensor `t` while a stand-in tensor holds it."
+        storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if not ptr: return
         entry = self.storages.get(ptr)
@@ -92,7 +92,14 @@ class OnGPU(torch.Tensor):
 
     def __init__(self, inner):
         self.inner = inner
-        if _GPU is not None: _GPU.track(self)
+        if _GPU is not None: _GPU.track(inner)
+
+    # a traceable wrapper subclass: `module.to("cuda")` then swaps each parameter's insides (`swap_tensors`) and keeps
+    # the parameter objects, so tied weights stay tied and an optimizer's references hold, as on CUDA
+    def __tensor_flatten__(self): return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride): return OnGPU(inner_tensors["inner"])
 
     device = property(lambda self: CUDA)
     is_cuda = property(lambda self: True)
@@ -281,18 +288,15 @@ def stand_in_gpu(capability=(8, 0), count: int = 1):
     gpu, saved = GPUState(capability, count), {}
     fake = _cuda_functions(gpu)
     for name, f in fake.items(): saved[name] = getattr(torch.cuda, name)
-    lifted, overwrite = torch._C._only_lift_cpu_tensors(), torch.__future__.get_overwrite_module_params_on_conversion()
+    lifted = torch._C._only_lift_cpu_tensors()
     previous, _GPU = _GPU, gpu
     try:
         for name, f in fake.items(): setattr(torch.cuda, name, f)
         torch.autocast = torch.amp.autocast = _MirroredAutocast
         torch._C._set_only_lift_cpu_tensors(True)   # torch.tensor(..., device="cuda") builds on the host, then moves
-        # module.to("cuda") makes new parameters (its default, `param.data = moved`, would not change their class)
-        torch.__future__.set_overwrite_module_params_on_conversion(True)
         with _OnGPUMode(): yield gpu
     finally:
         for name, f in saved.items(): setattr(torch.cuda, name, f)
         torch.autocast = torch.amp.autocast = _Autocast
         torch._C._set_only_lift_cpu_tensors(lifted)
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
         _GPU = previous

@@ -131,8 +131,12 @@ class OnGPU(torch.Tensor):
         move = func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_host(*args[1:], **kwargs))
         host = move or (kwargs.get("device") is not None and not _is_cuda(kwargs["device"]))
         previous, _HOST.on = getattr(_HOST, "on", False), host
+        # under inference mode a view of a stand-in tensor fails ("Cannot set version_counter for inference tensor"):
+        # the stand-in runs such calls without gradients instead
+        inference = torch.is_inference_mode_enabled()
         try:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False) if inference else \
+                    contextlib.nullcontext(), torch.no_grad() if inference else contextlib.nullcontext():
                 if not move: return func(*args, **kwargs)
                 # a copy, as from a GPU (torch's C++ `to` would return this tensor: its C++ device is the CPU)
                 to = {k: v for k, v in kwargs.items() if k != "copy"}
@@ -182,7 +186,10 @@ def _run(func, args, kwargs):
     with _gpu_generator(func, kwargs), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
         out = func(*plain_args, **plain_kwargs)
     if getattr(_HOST, "on", False) and not _is_cuda(device): return out        # .cpu(), .to("cpu"), device="cpu"
-    if args and isinstance(out, torch.Tensor) and plain_args and out is plain_args[0]: return args[0]     # in place
+    if args and isinstance(out, torch.Tensor) and out is plain_args[0]:
+        first = func._schema.arguments[0].alias_info
+        if first is not None and first.is_write: return args[0]                  # in place: the same tensor
+        if not isinstance(args[0], OnGPU): out = out.clone()       # `to` (inference mode) kept a host tensor: copy it
     return tree_map(lambda o: OnGPU(o) if isinstance(o, torch.Tensor) and not isinstance(o, OnGPU) else o, out)
 
 

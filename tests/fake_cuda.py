@@ -1,28 +1,35 @@
 """A stand-in CUDA GPU for CPU CI: inside `stand_in_gpu(capability)`, tensors sent to "cuda" hold host data but report
-`cuda:0`, and `torch.cuda` answers as a GPU of that compute capability would, so that every branch of the package that
-asks `device.type == "cuda"` or calls `torch.cuda` runs on a CPU-only torch build.
+`cuda:0`, and `torch.cuda` answers as a GPU of that compute capability would, so that every branch of the package
+that asks `device.type == "cuda"` or calls `torch.cuda` runs on a CPU-only torch build.
 
 How it works: an `OnGPU` tensor wraps a CPU tensor (a `__torch_dispatch__` wrapper subclass, as torch's own FakeTensor
-and tests/elsewhere.py are); its Python `device` says `cuda:0` while its C++ device stays the CPU, so the autograd engine
-and the CPU kernels run it (a CPU-only build has no CUDA device guard or stream for the engine to use). A dispatch mode
-turns factory calls and moves aimed at "cuda" into `OnGPU` tensors, makes `.cpu()`/`.to("cpu")` plain host copies, and
-fails an op where a CPU tensor of one dimension or more meets an `OnGPU` one, as CUDA fails (index tensors, copies and
-0-dim CPU scalars are allowed, as on CUDA). What `torch.cuda` answers: `is_available`, `device_count`, `current_device`,
-`get_device_name`/`_capability`/`_properties`, `is_bf16_supported` (True below 8.0 too: emulation counts, as there),
-`mem_get_info`, `memory_allocated`/`reserved` with their `max_*`, `reset_peak_memory_stats`, `empty_cache`,
-`synchronize` (counted), `manual_seed(_all)`, `get_rng_state(_all)`/`set_rng_state(_all)`: random ops on the stand-in
+and tests/elsewhere.py are); its Python `device` says `cuda:0` while its C++ device stays the CPU, so the autograd
+engine and the CPU kernels run it (a CPU-only build has no CUDA stream or accelerator for the engine, which a C++
+device of "cuda" would need; `register_cuda_guard` gives torch the one thing it asks on `.to("cuda")`, a device guard).
+A dispatch mode turns factory calls and moves aimed at "cuda" into `OnGPU` tensors; `.cpu()`, `.to("cpu")` and
+`device="cpu"` make plain host copies; an op where a CPU tensor of one dimension or more meets an `OnGPU` one fails, as
+on CUDA (index tensors, copies and 0-dim CPU scalars are allowed, as there). `module.to("cuda")` swaps each
+parameter's insides, so tied weights stay tied and the parameter objects are kept, as on CUDA. What `torch.cuda`
+answers: `is_available`, `device_count`, `current_device`, `get_device_name`/`_capability`/`_properties`,
+`is_bf16_supported` (True below 8.0 too: emulation counts, as there), `mem_get_info`, `memory_allocated`/`reserved`
+with their `max_*`, `reset_peak_memory_stats`, `empty_cache`, `synchronize` (counted), `manual_seed(_all)`,
+`get_rng_state(_all)`/`set_rng_state(_all)` (an index past `device_count` fails as there): random ops on the stand-in
 draw from a generator of its own, as CUDA's is apart from the CPU's.
 
 What it cannot emulate, and how that is covered instead:
 - Autocast on "cuda": torch's CUDA autocast kernels only cast tensors whose C++ device is CUDA. `torch.autocast("cuda")`
   here sets torch's CUDA autocast state (what `torch.is_autocast_enabled("cuda")` and `get_autocast_dtype` read) and,
-  inside it, CPU autocast in the same dtype casts the stand-in's tensors: the dtypes flow as on a GPU, through CPU
-  autocast's op lists (matmuls, linear, attention in 16 bits; a few fp32-listed ops differ from CUDA's lists).
-- Memory numbers count the bytes of live `OnGPU` storages (reserved: that high-water mark in 2 MiB blocks), not a real
+  inside it, CPU autocast in the same dtype casts the stand-in's tensors: the dtypes flow as on a GPU (float16 on 7.5,
+  so the loss scaler and its "cannot unscale FP16 gradients" check run), through CPU autocast's op lists (matmuls,
+  linear and attention in 16 bits; a few of its float32-listed ops differ from CUDA's).
+- Memory numbers count the bytes of live `OnGPU` storages (reserved: their high-water mark in 2 MiB blocks), not a real
   caching allocator: they show that the package reads and reports them, not what a GPU would hold.
-- Kernels, streams and timings are the CPU's: a stand-in run says nothing about GPU speed; bitsandbytes' 4-bit CUDA
-  kernels, vLLM and NCCL cannot run (their branches are decided by functions tested with the stand-in's answers).
-- A CPU-only build is assumed (a CUDA build without a GPU works the same way: nothing here touches a CUDA library).
+- Kernels, streams and timings are the CPU's: a stand-in run says nothing about GPU speed or numerics. bitsandbytes'
+  4-bit CUDA kernels, vLLM and NCCL cannot run (their branches are decided by functions that tests call with the
+  stand-in's answers: `choose_dtype`, `process_group_backend`); `pytest -m gpu` (tests/test_gpu.py) runs them on a GPU.
+- Under `torch.inference_mode` a stand-in tensor's views cannot take the inference flag: such calls run under
+  `no_grad` instead (sentence-transformers encodes in inference mode).
+- A CPU-only build is assumed; nothing here touches a CUDA library.
 """
 import contextlib, copy, ctypes, threading, types, weakref
 from pathlib import Path
@@ -36,8 +43,8 @@ BLOCK = 2 << 20                        # the caching allocator's rounding of res
 GPUS = {(7, 5): ("Tesla T4", 15), (8, 0): ("NVIDIA A100-SXM4-40GB", 40), (9, 0): ("NVIDIA H100 80GB HBM3", 80)}
 # ops where a host tensor may meet a stand-in one, as on CUDA: copies across, and indexing with host index tensors
 CROSSING = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor,
-            torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default,
-            torch.ops.aten.lift_fresh.default}
+            torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+            torch.ops.aten._index_put_impl_.default, torch.ops.aten.lift_fresh.default}
 
 
 class GPUState:

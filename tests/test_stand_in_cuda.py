@@ -139,7 +139,8 @@ def test_the_stand_in_fails_as_cuda_fails():
     "The harness itself: a host tensor meeting a GPU one fails; moves, host copies and numpy behave as on CUDA."
     with stand_in_gpu((9, 0)) as gpu:
         x = torch.arange(4.0, device="cuda")
-        assert isinstance(x, OnGPU) and x.device == torch.device("cuda", 0) and torch.cuda.get_device_capability() == (9, 0)
+        assert isinstance(x, OnGPU) and x.device == torch.device("cuda", 0)
+        assert torch.cuda.get_device_capability() == (9, 0) and torch.cuda.get_device_name() == "NVIDIA H100 80GB HBM3"
         with pytest.raises(RuntimeError, match="found at least two devices, cuda:0 and cpu"): x + torch.ones(4)
         assert (x + torch.tensor(1.0)).tolist() == [1.0, 2.0, 3.0, 4.0]        # a 0-dim host scalar is allowed
         host = x.cpu()

@@ -1,17 +1,21 @@
 """The Python side of bench/gpu_check.sh: python bench/gpu_check_runs.py MODE OUT RUNS
 MODE: env, demo, hf_lora, methods, qlora, qlora_grads, resume, vllm_lora, colab, summary. OUT holds the stage logs and
-results (MODE.json); RUNS is a scratch folder for the runs' output_dir (checkpoints stay out of OUT)."""
-import json, os, re, statistics, sys, time, traceback
+results (MODE.json); RUNS is a scratch folder for the runs' output_dir (checkpoints stay out of OUT). `summary` (after
+every stage) imports no torch. GPU_CHECK_DRY_RUN=1: the runs on the stand-in GPU of tests/fake_cuda.py (a flow check on
+a CPU), with GPU_CHECK_MODEL (tiny-random) in place of SmolLM2."""
+import contextlib, json, os, re, statistics, sys, time, traceback
 from pathlib import Path
-import torch
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 runs = Path(sys.argv[3]) if len(sys.argv) > 3 else out / "runs"
 REPO = Path.cwd()
-RUN = dict(model="smollm2", task="arithmetic:2", num_generations=8, prompts_per_step=8, max_completion_length=32,
-           learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0, steps=20, eval_size=32, eval_every=0, save_every=0,
-           log_completions_every=0, seed=0)
-SHORT = dict(steps=4, eval_size=8)                   # the short runs: each method alone and together, QLoRA
+DRY = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+RUN = dict(model=os.environ.get("GPU_CHECK_MODEL", "smollm2"), task="arithmetic:2", num_generations=8,
+           prompts_per_step=8, max_completion_length=32, learning_rate=5e-4, lora_r=16, lora_alpha=32, beta=0.0,
+           steps=20, eval_size=32, eval_every=0, save_every=0, log_completions_every=0, seed=0)
+if DRY:                                              # the stand-in runs on a CPU: small sizes for a flow check
+    RUN.update(threads=1, num_generations=4, prompts_per_step=4, max_completion_length=8, eval_size=4)
+SHORT = dict(steps=3, eval_size=4 if DRY else 8)     # the short runs: each method alone and together, QLoRA
 
 
 def med(rows, k):
@@ -163,9 +167,12 @@ def gap(backend, model, tok, c):
 
 
 def env():
-    from mmrgrpo.models import choose_dtype
+    from mmrgrpo.models import choose_dtype, resolve_model
     from mmrgrpo.vllm_backend import vllm_status
     import transformers, peft
+    t0 = time.perf_counter()
+    resolve_model("smollm2")                         # converted once here: the stages after this load it
+    convert_s = time.perf_counter() - t0
     ok, why = vllm_status()
     try: import bitsandbytes; bnb = bitsandbytes.__version__
     except Exception as e: bnb = f"not importable: {e}"
@@ -174,7 +181,8 @@ def env():
             "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__,
             "bitsandbytes": bnb, "precision_auto_lora": choose_dtype("cuda").describe(),
             "precision_auto_full": choose_dtype("cuda", frozen_base=False).describe(), "vllm": why if ok else None,
-            "vllm_status": why, "embedder": os.environ.get("GPU_EMBEDDER")}
+            "vllm_status": why, "embedder": os.environ.get("GPU_EMBEDDER"), "smollm2_ready_s": convert_s,
+            "dry_run": DRY}
 
 
 def colab():
@@ -238,7 +246,8 @@ def log_numbers(s):
     elif s["stage"] == "eval":
         m = re.search(r'"eval/accuracy":\s*([0-9.eE+-]+)', text)
         r["eval_accuracy"] = float(m.group(1)) if m else None
-    metrics = runs / s["stage"] / "metrics.jsonl"
+    launched = {"ddp": "launch_none", "fsdp2": "launch_fsdp2"}.get(s["stage"], s["stage"])
+    metrics = runs / launched / "metrics.jsonl"
     if s["stage"] in ("ddp", "fsdp2") and metrics.exists():
         rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
         rows = [x for x in rows if "loss" in x]
@@ -271,17 +280,24 @@ def summary():
 
 if __name__ == "__main__":
     if mode == "summary": sys.exit(summary())
+    import torch
+    stand_in = contextlib.nullcontext()
+    if DRY:                                          # a flow check on a CPU: the stand-in GPU of tests/fake_cuda.py
+        sys.path.insert(0, str(REPO / "tests"))
+        from fake_cuda import stand_in_gpu
+        stand_in = stand_in_gpu((8, 0))
     ok = True
-    if mode == "env": result = env()
-    elif mode == "demo": result = demo()
-    elif mode == "hf_lora": result = train_run("hf_lora", steps=int(os.environ.get("GPU_CHECK_LORA_STEPS", "10")))[2]
-    elif mode == "methods": result, ok = methods()
-    elif mode == "qlora": result = train_run("qlora", **SHORT, load_in_4bit=True, gradient_checkpointing=True)[2]
-    elif mode == "qlora_grads": result, ok = qlora_grads()
-    elif mode == "resume": result, ok = resume()
-    elif mode == "vllm_lora": result = vllm_lora()
-    elif mode == "colab": result = colab()
-    else: sys.exit(f"unknown mode {mode}")
+    with stand_in:
+        if mode == "env": result = env()
+        elif mode == "demo": result = demo()
+        elif mode == "hf_lora": result = train_run("hf_lora", steps=int(os.environ.get("GPU_CHECK_LORA_STEPS", "6")))[2]
+        elif mode == "methods": result, ok = methods()
+        elif mode == "qlora": result = train_run("qlora", **SHORT, load_in_4bit=True, gradient_checkpointing=True)[2]
+        elif mode == "qlora_grads": result, ok = qlora_grads()
+        elif mode == "resume": result, ok = resume()
+        elif mode == "vllm_lora": result = vllm_lora()
+        elif mode == "colab": result = colab()
+        else: sys.exit(f"unknown mode {mode}")
     (out / f"{mode}.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str))
     sys.exit(0 if ok else 1)

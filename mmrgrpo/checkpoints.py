@@ -24,6 +24,7 @@ import yaml
 from .config import GRPOConfig, ConfigError, save_config, read_config_file
 from .safety import replace_file, read_json, short_repr, not_a_file
 from .distributed import dist_info, is_sharded, full_state_dicts, load_full_state_dicts
+from .step import grad_scaler_state, restore_grad_scaler
 
 # %% ../nbs/42_checkpoints.ipynb #1269982b
 def rng_state() -> dict:
@@ -34,14 +35,20 @@ def rng_state() -> dict:
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
-def set_rng_state(s: dict):
-    "Restore the states `rng_state` returned."
+def set_rng_state(s: dict, where: str = "the saved state"):
+    "Restore the states `rng_state` returned (of as many GPUs as are visible now: `where` says which were dropped)."
     version, words, gauss = s["python"]
     random.setstate((version, tuple(words), gauss))
     key, pos, has_gauss, cached = s["numpy"]
     np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+    if s.get("cuda") is None or not torch.cuda.is_available(): return
+    saved, visible = len(s["cuda"]), torch.cuda.device_count()
+    if saved > visible:     # a process samples on its own GPU only: the others' generators never drew for it
+        print(f"WARNING: {where} holds the CUDA generator states of {saved} GPUs and {visible} are visible now: "
+              f"restored those of cuda:0..{visible - 1} (each process samples on its own GPU; make {saved} visible "
+              "to restore them all)", file=sys.stderr)
+    torch.cuda.set_rng_state_all(s["cuda"][:visible])
 
 # %% ../nbs/42_checkpoints.ipynb #5c3dc41f
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
@@ -130,7 +137,9 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, c: GRPOCo
         tmp.mkdir()
         whole = {"state_dict": weights} if gathered else {}
         model.save_pretrained(tmp / ("adapter" if hasattr(model, "peft_config") else "model"), **whole)
-        torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "training.pt")
+        scaler = grad_scaler_state(optimizer)          # float16 autocast on CUDA: the loss scale and its growth count
+        torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                    **({"grad_scaler": scaler} if scaler else {})}, tmp / "training.pt")
         save_config(c, tmp / "config.yaml")
         # the step last: a resumed run's state still holds the step it resumed from
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))
@@ -254,7 +263,8 @@ def load_checkpoint(ck: Path, model, optimizer, scheduler, verify: bool = True) 
         training = torch.load(ck / "training.pt", map_location="cpu", weights_only=True)
         if is_sharded(model): load_full_state_dicts(model, optimizer, weights, training["optimizer"])   # a collective
         else: optimizer.load_state_dict(training["optimizer"])
-        scheduler.load_state_dict(training["scheduler"]); set_rng_state(training["rng"])
+        scheduler.load_state_dict(training["scheduler"]); set_rng_state(training["rng"], str(ck))
+        restore_grad_scaler(optimizer, training.get("grad_scaler"))
         return trainer_state(ck)
     except CheckpointError: raise
     except pickle.UnpicklingError:

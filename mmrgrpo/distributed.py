@@ -10,7 +10,7 @@ __all__ = ['SHARDING_ENV', 'LAUNCH_ENV', 'GLOBAL_METRICS', 'dist_info', 'process
            'shard_model', 'shard_policy', 'full_value', 'full_state_dicts', 'load_full_state_dicts']
 
 # %% ../nbs/40a_distributed.ipynb #57d8564d
-import os
+import os, sys
 import torch
 from .config import ConfigError
 
@@ -21,9 +21,9 @@ def dist_info():
     if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
-def process_group_backend(cuda: bool) -> str:
-    "What `init_distributed` asks torch for: gloo for CPU tensors, and nccl for CUDA tensors on a GPU machine."
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+def process_group_backend(cuda: bool, gpus_shared: bool = False) -> str:
+    "What `init_distributed` asks for: gloo for CPU tensors; nccl for CUDA ones, unless processes share a GPU (gloo)."
+    return "cpu:gloo,cuda:nccl" if cuda and not gpus_shared else "gloo"
 
 SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED",)         # launches the trainer refuses (FSDP is served by `shard_policy`)
 
@@ -57,9 +57,15 @@ def init_distributed():
                           "(its engine would have to own the backward pass and the optimizer step). "
                           "Launch with configs/accelerate/ddp.yaml, "
                           "configs/accelerate/fsdp2.yaml (sharded) or torchrun --nproc_per_node=N")
-    if launched_world_size() > 1 and not dist.is_initialized():
-        if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(process_group_backend(torch.cuda.is_available()))
+    if (world := launched_world_size()) > 1 and not dist.is_initialized():
+        cuda, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))    # processes on this machine
+        shared = cuda and here > torch.cuda.device_count()
+        if cuda: torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        if shared and local_rank == 0:
+            print(f"{here} processes share {torch.cuda.device_count()} GPU(s): gloo sums their CUDA tensors "
+                  "(nccl takes one process per GPU); launch one process per GPU for speed", file=sys.stderr)
+        dist.init_process_group(process_group_backend(cuda, shared))
     return dist_info()
 
 # %% ../nbs/40a_distributed.ipynb #32c8659c

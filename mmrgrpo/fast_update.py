@@ -206,19 +206,25 @@ def packs_completions(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == "sdpa"
 
 # %% ../nbs/62_fast_update.ipynb #3db7334a
+# whether this process's run changed glibc's thresholds: only a CPU run does, and only it puts them back
+_KEPT = {"heap": False}
+
 def keep_memory_set_up(c, model, device) -> dict:
     "Keep freed memory in a CPU run unless `keep_freed_memory=false`; the first row says whether glibc took it."
     kept = torch.device(device).type == "cpu" and c.keep_freed_memory is not False and keep_freed_memory()
     if c.keep_freed_memory is True and not kept:
         print("keep_freed_memory=true: no glibc mallopt here; memory is handled as usual", file=sys.stderr)
+    _KEPT["heap"] = bool(kept)
     return {"allocator/keep_freed": bool(kept)}
 
 def keep_memory_tear_down(c) -> None:
-    "Put glibc's thresholds back at the end of a run that may have changed them."
-    if c.keep_freed_memory is not False: keep_freed_memory(False)
+    "Put glibc's thresholds back at the end of a run that changed them (a CPU run's; a GPU run leaves glibc alone)."
+    if _KEPT["heap"]: keep_freed_memory(False)
+    _KEPT["heap"] = False
 
 def heap_after_step(c, device):
-    "A `KeptHeap` of the run's own: called after each step, it may hand memory back and says whether it did."
+    "A `KeptHeap` of a CPU run's own: after each step it may hand memory back and says if it did (None on a GPU)."
+    if torch.device(device).type != "cpu": return None      # a GPU's tensors are not on the host's heap
     heap = KeptHeap()
     return lambda: {"allocator/handed_back": float(heap.after_step(rss_sampler().rss_mb()))}
 

@@ -8,10 +8,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/models.html.md"""
 __all__ = ['EMBEDDED_GGUF', 'EMULATED_CPU', 'AVX2_CPU', 'WEIGHT_FILES', 'cache_dir', 'embedded_gguf', 'check_model_source',
            'check_cache_dir', 'gguf_to_folder', 'resolve_model', 'tiny_random_model', 'cpu_flags', 'CPUSupport',
            'native_cpu_support', 'cpu_support', 'refuse_onednn_bf16', 'half_dtype', 'Precision', 'choose_dtype',
-           'autocast', 'keep_4bit_differentiable', 'load_tokenizer', 'check_chat_template', 'policy_tokenizer',
-           'add_lora', 'check_context', 'enable_checkpointing', 'refuse_remote_code', 'check_weights', 'load_policy',
-           'reference_context', 'trainable_parameters', 'gguf_architecture', 'supported_gguf_architectures',
-           'check_gguf']
+           'check_trained_dtype', 'autocast', 'keep_4bit_differentiable', 'load_tokenizer', 'check_chat_template',
+           'policy_tokenizer', 'add_lora', 'check_context', 'enable_checkpointing', 'refuse_remote_code',
+           'check_weights', 'load_policy', 'reference_context', 'trainable_parameters', 'gguf_architecture',
+           'supported_gguf_architectures', 'check_gguf']
 
 # %% ../nbs/13_models.ipynb #a7710a74
 import contextlib, functools, hashlib, importlib.util, os, platform, shutil, tempfile, warnings
@@ -253,6 +253,14 @@ def choose_dtype(device="cpu", dtype: str = "auto", autocast="auto", frozen_base
     elif isinstance(autocast, torch.dtype): ac = autocast
     else: ac = torch.bfloat16 if autocast else None
     return Precision(weights, ac, _hardware(device))
+
+def check_trained_dtype(c: GRPOConfig):
+    "Refuse training the weights themselves in 16 bits (`lora=false`, a 16-bit `dtype`): a one-line `ConfigError`."
+    if c.lora or c.dtype not in ("float16", "bfloat16"): return
+    raise ConfigError(f"dtype={c.dtype} with lora=false trains the weights themselves in {c.dtype}, where AdamW's "
+                      "small steps round away (and a loss scaler cannot unscale fp16 gradients): set lora=true (a "
+                      "frozen 16-bit base, an fp32 adapter) or dtype=auto (fp32 weights; autocast still runs the "
+                      "passes in 16 bits)")
 
 def autocast(enabled, device: str = "cpu"):
     "The update's autocast context on `device`: `enabled` is the config's `autocast_bf16`, or a dtype."

@@ -13,6 +13,7 @@ import contextlib, errno, json, math, os, sys, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
+import torch
 from .safety import replace_file, read_file_bytes, short_repr
 from .config import ConfigError
 
@@ -62,22 +63,33 @@ def process_peak_rss_mb() -> float:
 # %% ../nbs/40_runlog.ipynb #ef822092
 @dataclass
 class Phases:
-    "Wall-clock (s) and peak resident memory (MB) per phase of the current step."
+    "Wall-clock (s) and peak memory (MB) per phase of a step: the host's resident memory, or on CUDA the GPU's own."
     t: dict = field(default_factory=dict)
-    mem: dict = field(default_factory=dict)
+    mem: dict = field(default_factory=dict)        # peak resident host memory, or on CUDA peak allocated GPU memory
+    reserved: dict = field(default_factory=dict)   # CUDA: peak memory the caching allocator held
+    device: object = "cpu"                         # where the step runs
     @contextlib.contextmanager
     def __call__(self, name):
-        sampler = rss_sampler()
-        sampler.reset()
+        gpu = torch.device(self.device).type == "cuda"
+        if gpu:    # the work queued before this phase is not its time, nor its memory
+            torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
+        else: sampler = rss_sampler(); sampler.reset()
         t0 = time.perf_counter()
         try: yield
         finally:
+            if gpu: torch.cuda.synchronize(self.device)      # this phase's kernels end inside its own time
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-            if sampler.ok: self.mem[name] = max(self.mem.get(name, 0.0), sampler.read())
+            if gpu:
+                self.mem[name] = max(self.mem.get(name, 0.0), torch.cuda.max_memory_allocated(self.device) / 2**20)
+                peak_held = torch.cuda.max_memory_reserved(self.device) / 2**20
+                self.reserved[name] = max(self.reserved.get(name, 0.0), peak_held)
+            elif sampler.ok: self.mem[name] = max(self.mem.get(name, 0.0), sampler.read())
     def metrics(self):
         m = {f"time/{k}": v for k, v in self.t.items()}
-        if self.mem:
-            m.update({f"memory/{k}": v for k, v in self.mem.items()}, **{"memory/peak": max(self.mem.values())})
+        for prefix, peaks in (("memory", self.mem), ("memory_reserved", self.reserved)):
+            if not peaks: continue
+            m.update({f"{prefix}/{k}": v for k, v in peaks.items()})
+            m[f"{prefix}/peak"] = max(peaks.values())
         return m
 
 # %% ../nbs/40_runlog.ipynb #73ac8e4e

@@ -31,7 +31,9 @@ class Rollout:
     sampler_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
-        if self.group_ids is None: self.group_ids = torch.arange(len(self.completions)) // max(self.group_size, 1)
+        if self.group_ids is None:        # on the completions' device, as every other tensor of the rollout
+            n, device = len(self.completions), self.completion_ids.device
+            self.group_ids = torch.arange(n, device=device) // max(self.group_size, 1)
 
     def to(self, device) -> "Rollout":
         "The same rollout with its tensors on `device` (itself where they are there already)."

@@ -8,9 +8,9 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/step.html.md"""
 __all__ = ['CPU_MICRO_BATCH_POSITIONS', 'GRAD_SCALE_START', 'score', 'rollout_metrics', 'advantages_for', 'prune', 'group_passes',
            'pass_positions', 'micro_batches', 'largest_micro_batch', 'splits_groups', 'machine_memory',
            'estimate_step_memory', 'check_step_memory', 'importance_cap', 'needs_grad_scaler', 'grad_scaler',
-           'shares_prompts', 'pass_stats', 'pass_context', 'policy_stats', 'batch_logprobs', 'choose_tokens',
-           'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass', 'sampler_weights', 'micro_batch_pass',
-           'optimizer_step', 'update_metrics', 'update']
+           'grad_scaler_state', 'restore_grad_scaler', 'shares_prompts', 'pass_stats', 'pass_context', 'policy_stats',
+           'batch_logprobs', 'choose_tokens', 'UpdateBatch', 'reference_pass', 'old_logprob_pass', 'token_pass',
+           'sampler_weights', 'micro_batch_pass', 'optimizer_step', 'update_metrics', 'update']
 
 # %% ../nbs/41_step.ipynb #3ef80582
 import contextlib, math, sys, weakref
@@ -215,11 +215,28 @@ def needs_grad_scaler(device_type: str, dtype) -> bool:
     "fp16 autocast on CUDA: small gradients underflow in float16 unless the loss is scaled up before the backward pass."
     return device_type == "cuda" and dtype == torch.float16
 
+# a resumed run's loss scale, kept from the checkpoint until the optimizer's scaler is made (at its first update)
+_SAVED_SCALES = weakref.WeakKeyDictionary()
+
 def grad_scaler(optimizer, device_type: str, dtype):
     "The optimizer's `torch.amp.GradScaler` when `needs_grad_scaler`, else None."
     if not needs_grad_scaler(device_type, dtype): return None
-    if optimizer not in _SCALERS: _SCALERS[optimizer] = torch.amp.GradScaler(device_type, init_scale=GRAD_SCALE_START)
+    if optimizer not in _SCALERS:
+        scaler = torch.amp.GradScaler(device_type, init_scale=GRAD_SCALE_START)
+        if (saved := _SAVED_SCALES.pop(optimizer, None)) is not None: scaler.load_state_dict(saved)
+        _SCALERS[optimizer] = scaler
     return _SCALERS[optimizer]
+
+def grad_scaler_state(optimizer):
+    "What a checkpoint keeps of the optimizer's loss scaler (its scale and growth count: numbers), or None without one."
+    scaler = _SCALERS.get(optimizer)
+    return scaler.state_dict() if scaler is not None else _SAVED_SCALES.get(optimizer)
+
+def restore_grad_scaler(optimizer, state):
+    "Give the optimizer's loss scaler the `state` a checkpoint kept: now, or when the scaler is made."
+    if not state: return
+    if optimizer in _SCALERS: _SCALERS[optimizer].load_state_dict(state)
+    else: _SAVED_SCALES[optimizer] = state
 
 # %% ../nbs/41_step.ipynb #b4a9f71c
 def _rows(rollout: Rollout, rows):

@@ -36,8 +36,9 @@ def tiny_model(tokenizer):
 
 
 def pytest_collection_modifyitems(config, items):
-    "Tests marked `gpu` are skipped where there is no CUDA device (CPU CI); they run on GPU machines."
-    if torch.cuda.is_available(): return
+    """Tests marked `gpu` are skipped where there is no CUDA device (CPU CI); they run on GPU machines, and on the
+    stand-in GPU where MMRGRPO_STAND_IN_GPU asks for one (a flow check)."""
+    if torch.cuda.is_available() or os.environ.get("MMRGRPO_STAND_IN_GPU"): return
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu"): item.add_marker(skip)
@@ -62,3 +63,15 @@ def cpu_with(flags) -> "CPUSupport":
     units = sorted(flags & {"avx512_bf16", "amx_bf16"})
     return CPUSupport(bf16, amx, bf16 or "avx512bw" in flags,
                       f"CPU with {', '.join(units)}" if units else "CPU without avx512_bf16/amx")
+
+
+@pytest.fixture(autouse=True)
+def stand_in_gpu_when_asked():
+    """MMRGRPO_STAND_IN_GPU=<compute capability> (e.g. 8.0): every test runs with a stand-in GPU visible
+    (tests/fake_cuda.py), to check on a CPU that a test which asserts the CPU's choices pins the CPU."""
+    wanted = os.environ.get("MMRGRPO_STAND_IN_GPU")
+    if not wanted:
+        yield
+        return
+    from fake_cuda import stand_in_gpu
+    with stand_in_gpu(tuple(int(x) for x in wanted.split("."))): yield

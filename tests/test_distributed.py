@@ -169,22 +169,29 @@ def test_save_best_on_two_processes(two_process_run):
     assert state["world_size"] == 2 and state["best"]["step"] == state["step"]
 
 
-@pytest.mark.parametrize("cuda,backend", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")])
-def test_process_group_backend_per_machine(monkeypatch, cuda, backend):
+@pytest.mark.parametrize("cuda,gpus,backend,device", [(True, 2, "cpu:gloo,cuda:nccl", 1), (False, 0, "gloo", None),
+                                                      (True, 1, "gloo", 0)])
+def test_process_group_backend_per_machine(monkeypatch, capsys, cuda, gpus, backend, device):
     """On GPUs the group has gloo for CPU tensors (numbers, metrics) and nccl for CUDA ones: nccl alone cannot reduce
-    CPU tensors."""
+    CPU tensors. Two processes on one GPU (nccl refuses them): both on cuda:0, gloo for everything, said once."""
     import torch.distributed as dist
     from mmrgrpo.distributed import init_distributed
     asked, devices = [], []
     # what torchrun sets in the second of two processes
-    for k, v in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+    for k, v in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29500").items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(backend))
-    init_distributed()
-    assert asked == [backend] and devices == ([1] if cuda else [])
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        init_distributed()
+    assert asked == [backend] * 2 and devices == ([0, device] if cuda else [])
+    said = capsys.readouterr().err
+    assert said.count("2 processes share 1 GPU(s): gloo sums their CUDA tensors") == (gpus == 1)
 
 
 @pytest.mark.parametrize("backend,x,device", [

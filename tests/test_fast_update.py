@@ -207,11 +207,13 @@ print(kept, rss())
 
 
 def test_a_run_records_its_settings_and_whole_peak(tokenizer):
+    "A CPU run (pinned there: these are CPU speed-ups) records what it applied and the whole process's peak."
+    from mmrgrpo.models import load_policy
     from mmrgrpo.trainer import train
     with tempfile.TemporaryDirectory() as d:
         c = load_config(model="tiny-random", steps=1, num_generations=4, prompts_per_step=2, max_completion_length=6,
                         autocast_bf16=True, eval_size=4, save_every=0, log_completions_every=0, output_dir=d)
-        res = train(c, progress=False)
+        res = train(c, *load_policy(c, device="cpu"), progress=False)
     row = res.metrics[0]
     assert row["precision/base"] == "bfloat16" and isinstance(row["allocator/keep_freed"], bool)
     assert row["allocator/handed_back"] == 0.0         # the first step only sets the kept heap's level (`KeptHeap`)

@@ -163,14 +163,14 @@ def test_checkpointing_is_non_reentrant_with_and_without_4bit(monkeypatch, four_
                     autocast_bf16=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, tok = load_policy(c)
+        model, tok = load_policy(c, device="cpu")         # the ids below are built on the CPU
     deprecated = [str(w.message) for w in caught
                   if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
     assert not deprecated, deprecated
     flags, kwargs = checkpointing(model)
     assert flags == {True} and all(k == {"use_reentrant": False} for k in kwargs)
     # and it computes the gradients the unchecked model computes
-    plain, _ = load_policy(load_config(model="tiny-random", lora_r=4, autocast_bf16=False))
+    plain, _ = load_policy(load_config(model="tiny-random", lora_r=4, autocast_bf16=False), device="cpu")
     plain.load_state_dict(model.state_dict())
     ids = tok("What is 2 + 3? Think step by step.", return_tensors="pt").input_ids
     grads = []
@@ -250,7 +250,7 @@ def test_the_first_metrics_row_records_the_precision(tmp_path):
     from mmrgrpo.trainer import plot_rewards, train
     c = load_config(model="tiny-random", steps=2, num_generations=2, prompts_per_step=2, max_completion_length=4,
                     eval_size=0, log_completions_every=0, save_every=0, lora_r=4, output_dir=str(tmp_path))
-    train(c, progress=False)
+    train(c, *load_policy(c, device="cpu"), progress=False)        # the CPU's choice (test_stand_in_cuda: a GPU's)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     expected = choose_dtype("cpu", c.dtype, c.autocast_bf16, frozen_base=c.lora).metrics()

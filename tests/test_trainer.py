@@ -65,15 +65,22 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
     assert a == b                     # every step, step 3 included, identical to the uninterrupted run
 
 
+def _on_cpu(c):
+    "`train`'s arguments for config `c` with the policy on the CPU, where a GPU is visible too: a CPU speed-up's test."
+    from mmrgrpo.models import load_policy
+    torch.manual_seed(c.seed)                     # the adapter's initial weights, as `train` seeds them when it loads
+    return (c, *load_policy(c, device="cpu"))
+
+
 def test_resume_refreshes_the_sampling_copy(tmp_path):
     """The merged sampling copy (61_sampler_copy) is made before the checkpoint's weights are loaded: resume must
     refresh it."""
     kw = dict(sampler_dtype="float32", learning_rate=0.05, steps=3, reward_funcs=["reward_fixtures:varied"],
               reward_weights=None)
-    full = train(_tiny(tmp_path / "full", **kw), progress=False)
+    full = train(*_on_cpu(_tiny(tmp_path / "full", **kw)), progress=False)
     assert full.backend.copy_dtype == torch.float32 and full.backend.model is not full.model
-    train(_tiny(tmp_path / "cut", **kw), progress=False, stop_after=2)
-    train(_tiny(tmp_path / "cut", resume_from="latest", **kw), progress=False)
+    train(*_on_cpu(_tiny(tmp_path / "cut", **kw)), progress=False, stop_after=2)
+    train(*_on_cpu(_tiny(tmp_path / "cut", resume_from="latest", **kw)), progress=False)
     a = [_comparable(r) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
     b = [_comparable(r) for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")]
     assert a[0]["precision/sampler"] == "a merged copy in float32 (fused decoder)"

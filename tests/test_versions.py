@@ -18,8 +18,8 @@ def test_converted_models_are_kept_per_transformers_major_version(monkeypatch, t
 
 
 def test_a_step_runs_where_get_decoder_answers_none(monkeypatch, tmp_path, tokenizer):
-    """transformers 4.56's `LlamaForCausalLM.get_decoder()` asks `LlamaModel.get_decoder()`, which answers None: sampling,
-    the packed update and the reference pass find the decoder all the same (`decoder_of`)."""
+    """transformers 4.56's `LlamaForCausalLM.get_decoder()` asks `LlamaModel.get_decoder()`, which answers None:
+    sampling, the packed update and the reference pass find the decoder all the same (`decoder_of`)."""
     from transformers import LlamaModel
     from mmrgrpo.trainer import train
     monkeypatch.setattr(LlamaModel, "get_decoder", lambda self: None)

@@ -28,3 +28,16 @@ def test_a_step_runs_where_get_decoder_answers_none(monkeypatch, tmp_path, token
     assert c.pack_completions
     res = train(c, progress=False)
     assert [r["step"] for r in res.metrics if "loss" in r] == [1]
+
+
+def test_cache_room_where_layers_have_no_is_initialized(tiny_model, tokenizer):
+    "transformers 4.56's `DynamicLayer` has no `is_initialized` (its keys are None until the first token): room still."
+    import torch
+    from mmrgrpo.kvcache import reserve_cache
+    from mmrgrpo.sampling import output_cache
+    ids = torch.tensor([tokenizer("What is 2 + 2?").input_ids])
+    cache = output_cache(tiny_model(input_ids=ids, use_cache=True))
+    for layer in cache.layers: del layer.is_initialized                  # as in 4.56
+    n = cache.layers[0].keys.shape[-2]
+    reserve_cache(cache, 8)
+    assert all(type(layer).__name__ == "ReservedLayer" and layer._k.shape[-2] == n + 8 for layer in cache.layers)

@@ -21,7 +21,7 @@ if ! { $PY -m venv "$VENV" && "$VENV/bin/python" -m pip install torch==2.13.0 ip
     tail -n 20 "$WORK/install.log"; say "FAILED to build the environment"; exit 1
 fi
 RUN=("$VENV/bin/python" tools/run_notebook.py --colab "$WORK/home" --show
-     --replace https://github.com/mmrgrpo/mmrgrpo "file://$ROOT")
+     --replace https://github.com/mmrgrpo/mmrgrpo "file://localhost$ROOT")
 say "the Colab tutorial, as Colab runs it (the clone is of this repository's HEAD, $(git rev-parse --short HEAD))"
 "${RUN[@]}" nbs/tutorials/colab_qlora.ipynb
 for lesson in 01_grpo_step 19_one_step; do

@@ -39,7 +39,9 @@ trap 'rm -rf "$WORK"' EXIT
 say "the Colab tutorial, as Colab runs it with these versions installed"
 "$V" tools/run_notebook.py --colab "$WORK/home" \
     --replace https://github.com/mmrgrpo/mmrgrpo "file://localhost$ROOT" nbs/tutorials/colab_qlora.ipynb
-if ! versions | diff "$VENV/versions.txt" -; then say "FAILED: the tutorial's install cell changed the versions"; exit 1; fi
+if ! versions | diff "$VENV/versions.txt" -; then
+    say "FAILED: the tutorial's install cell changed the versions"; exit 1
+fi
 say "tests: one step, the loss, checkpoints, the CLI, the configs"
 HF_HUB_OFFLINE=1 "$V" -m pytest -q -p no:cacheprovider tests/test_versions.py tests/test_loss.py tests/test_runs.py \
     tests/test_configs.py "$@"

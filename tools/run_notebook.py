@@ -1,9 +1,9 @@
-"""Run a notebook from top to bottom in a kernel of this Python, as a user's "Run all" does, and fail on the first error.
+"""Run a notebook from top to bottom in a kernel of this Python, as "Run all" does, and fail on the first error.
 
     python tools/run_notebook.py NOTEBOOK [--cwd DIR] [--colab HOME] [--replace OLD NEW] [--save OUT]
 
-The kernel starts in DIR (default: the notebook's own folder). --colab HOME runs it as a fresh Colab runtime would, alone:
-`import google.colab` succeeds (a stand-in module), the kernel's home is HOME and it starts in HOME/content, an empty
+The kernel starts in DIR (default: the notebook's own folder). --colab HOME runs it as a fresh Colab runtime would,
+alone: `import google.colab` succeeds (a stand-in module), the kernel's home is HOME and it starts in HOME/content, an empty
 folder, as Colab's in /content; pip keeps its cache and the model hub is out of reach (HF_HUB_OFFLINE=1), as here.
 --replace rewrites OLD to NEW in the code cells first (the Colab simulation points the repository's URL at a local
 clone). The notebook file itself is never changed; --save writes the executed copy to OUT. Every cell runs, whatever its

@@ -126,7 +126,8 @@ def is_sharded(model) -> bool:
 def shard_model(model):
     "Shard `model` in place with FSDP2, each decoder layer and then the root, its gradients summed over processes."
     from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-    for layer in model.get_decoder().layers: fully_shard(layer)
+    from mmrgrpo.sampling import decoder_of
+    for layer in decoder_of(model).layers: fully_shard(layer)
     fully_shard(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 from .logprobs import token_stats
-from .sampling import cache_kwarg, output_cache
+from .sampling import cache_kwarg, decoder_of, output_cache
 from .advantages import as_group_ids, group_runs
 from .fused_decode import shared_prefix
 from .logprobs import completion_stats
@@ -169,7 +169,7 @@ def packed_completion_stats(model, prompt_ids, prompt_mask, completion_ids, comp
                             group_size=1,   # G (int) or (N,) group ids: rows of a group share their prompt
                             chunk_fn=None): # `token_stats`'s chunk function
     "`completion_stats` without the padding: the prompts' shared prefix once, then one packed row per group."
-    body = model.get_decoder()
+    body = decoder_of(model)
     N, T = completion_ids.shape
     gid = as_group_ids(group_size, N, prompt_ids.device)
     runs = group_runs(gid)

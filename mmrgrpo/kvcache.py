@@ -16,6 +16,10 @@ from .speedups import Speedup
 try: from transformers.cache_utils import DynamicLayer
 except ImportError: DynamicLayer = None                      # older transformers: caches are left as they are
 
+def _holds_keys(layer) -> bool:
+    "Whether a cache layer holds keys yet: its `is_initialized` (transformers 4.57 on), else keys that are not None."
+    return getattr(layer, "is_initialized", getattr(layer, "keys", None) is not None)
+
 if DynamicLayer is not None:
     class ReservedLayer(DynamicLayer):
         "A cache layer writing each new position into reserved room, where `DynamicLayer` copies the whole cache."
@@ -27,7 +31,7 @@ if DynamicLayer is not None:
             self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized: return super().update(key_states, value_states, *args, **kwargs)
+            if not _holds_keys(self): return super().update(key_states, value_states, *args, **kwargs)
             n, m = self.keys.shape[-2], key_states.shape[-2]
             if n + m > self._k.shape[-2]: self.reserve(max(m, n))        # out of room: double it
             self._k[..., n:n + m, :], self._v[..., n:n + m, :] = key_states, value_states
@@ -36,7 +40,7 @@ if DynamicLayer is not None:
 
         def batch_select_indices(self, indices: torch.Tensor):
             "Keep the batch rows `indices`, in that order, in place: only rows that change places are copied."
-            if not self.is_initialized: return
+            if not _holds_keys(self): return
             n, n_kept = self.keys.shape[-2], len(indices)
             moved = (indices != torch.arange(n_kept, device=indices.device)).nonzero().squeeze(-1)
             if len(moved):
@@ -50,7 +54,7 @@ if DynamicLayer is not None:
 def reserve_cache(cache, extra: int):
     "Give each plain dynamic layer of `cache` room for `extra` more positions; other layers are left as they are."
     for layer in getattr(cache, "layers", []):
-        if DynamicLayer is not None and type(layer) is DynamicLayer and layer.is_initialized:
+        if DynamicLayer is not None and type(layer) is DynamicLayer and _holds_keys(layer):
             layer.__class__ = ReservedLayer
             layer.reserve(extra)
     return cache

@@ -10,7 +10,7 @@ __all__ = ['token_stats', 'completion_stats']
 # %% ../nbs/17a_logprobs.ipynb #474b7377
 import torch
 from torch.utils.checkpoint import checkpoint
-from .sampling import cache_kwarg, output_cache
+from .sampling import cache_kwarg, decoder_of, output_cache
 from .advantages import as_group_ids, group_runs
 
 # %% ../nbs/17a_logprobs.ipynb #122f45da
@@ -72,7 +72,7 @@ def completion_stats(model, prompt_ids, prompt_mask, completion_ids, completion_
                      group_size=1,   # rows share their prompt in groups: G (int) or (N,) group ids; each runs once
                      chunk_fn=None): # `token_stats`'s chunk function (None: the checkpointed chunk above)
     "Per-token (logp, entropy, log_sumsq) under `model` of `completion_ids` (N, T) after left-padded `prompt_ids`."
-    body = model.get_decoder()
+    body = decoder_of(model)
     N, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
     no_groups = isinstance(group_size, int) and (group_size <= 1 or N % group_size)
     group_ids = None if no_groups else as_group_ids(group_size, N)

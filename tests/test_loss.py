@@ -106,7 +106,7 @@ def test_eager_and_sdpa_attention_agree_with_padding(tokenizer, group_size):
 def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     "Found by calling the functions as a careless user would: each used to return a wrong number without a word."
     import numpy as np
-    from mmrgrpo.loss import truncated_is_weights
+    from mmrgrpo.loss import sampler_is_weights
     from mmrgrpo.pruning import keep_mask
     from mmrgrpo.rewards import compute_rewards, format_reward
     from mmrgrpo.safety import pruned_count
@@ -116,7 +116,7 @@ def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     with pytest.raises(ValueError, match="group_size=1"): group_advantages(torch.ones(4), 1)
     with pytest.raises(ValueError, match="counts cannot be negative"):
         aggregate_loss(torch.ones(2, 3), torch.ones(2, 3), num_sequences=-1)
-    with pytest.raises(ValueError, match="cap=0"): truncated_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
+    with pytest.raises(ValueError, match="cap=0"): sampler_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
     with pytest.raises(ValueError, match="one mask entry per score"):
         select_tokens(torch.rand(4, 5), torch.ones(1, 5), 2, keep_ratio=1.0)
     with pytest.raises(ValueError, match=r"reward weights \[nan\]"):

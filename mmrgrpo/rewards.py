@@ -1,4 +1,4 @@
-"""math-verify and the format check on a real GSM8K question, rewards weighted TRL's way, a time-limited verifier pool.
+"""math-verify and the format check on GSM8K, the weighted sum (`None` as TRL counts it), a time-limited verifier pool.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 

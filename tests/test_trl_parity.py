@@ -254,6 +254,20 @@ def test_importance_sampling_ratios_equal_trls(model_dir, tokenizer, batch, mode
     assert (ours[m] == 0).any() == mode.endswith("mask") and (ours[m] == CAP).any() == mode.endswith("truncate")
 
 
+def test_the_entropy_selector_equals_trls_top_entropy_quantile(model_dir, tokenizer, batch):
+    """`entropy_quantile_mask` against TRL's own `get_high_entropy_mask` (one process): random entropies and masks,
+    shares from 0.01 to 0.99, with and without ties (entropies on a grid of 0.25), the same tokens every time."""
+    trainer = trl_trainer(model_dir, tokenizer, batch)
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        H = torch.rand(6, 11, generator=g) * 4
+        if trial % 2: H = (H * 4).round() / 4                                      # ties at the threshold
+        mask = torch.rand(6, 11, generator=g) < 0.8
+        for q in (0.01, 0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5, 0.8, 0.99):
+            theirs = trainer.get_high_entropy_mask(H, mask.long(), 1 - q)
+            assert torch.equal(entropy_quantile_mask(H, mask, q), theirs), (trial, q)
+
+
 def test_the_loss_equals_trls_for_every_option_and_pair(model_dir, tokenizer, batch):
     """Loss, per-token loss (on the tokens the loss counts) and gradient, ours against TRL's `_compute_loss` on the
     same log-probs: off-policy ratios from 0.5 to 3.5, some clipped, some past delta, 130 combinations."""
@@ -311,12 +325,14 @@ def rows_in_order(batch, completion_ids: torch.Tensor) -> list:
 
 
 def one_trl_step(model_dir, tok, batch, lr, **options):
-    "One optimizer step of TRL's own `train()`: two micro-batches of 4 rows; the weights before and after, its order."
+    """One batch through TRL's own `train()`: two micro-batches of 4 rows, one optimizer step per iteration
+    (`num_iterations`, the later ones off-policy); the weights before and after, and its order of the rows."""
     model = load_model(model_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     trainer = trl_trainer(model_dir, tok, batch, model=model, per_device_train_batch_size=B * G // 2,
-                          gradient_accumulation_steps=2, max_steps=1, max_grad_norm=0.0, **options)
+                          gradient_accumulation_steps=2, max_steps=options.get("num_iterations", 1), max_grad_norm=0.0,
+                          **options)
     trainer.optimizer, trainer.lr_scheduler = opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     trainer.train()
     order = [rows_in_order(batch, mb["completion_ids"]) for mb in trainer._buffered_inputs]
@@ -338,18 +354,20 @@ def one_update_of_ours(model_dir, batch, order, lr, **options):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+# two iterations where the objective differs off-policy only: the second step's ratios are not 1, its KL not 0
 UPDATES = {"grpo": dict(beta=0.04), "bnpo": dict(loss_type="bnpo", beta=0.04),
-           "dapo": dict(loss_type="dapo", epsilon_high=0.28), "dr_grpo": dict(loss_type="dr_grpo", beta=0.04),
+           "dapo": dict(loss_type="dapo", epsilon_high=0.28, num_iterations=2), "dr_grpo": dict(loss_type="dr_grpo"),
            "gspo_and_more": dict(importance_sampling_level="sequence", beta=0.04, use_bias_correction_kl=True,
-                                 mask_truncated_completions=True, delta=3.0),
+                                 mask_truncated_completions=True, delta=3.0, num_iterations=2),
            "sampler": dict(loss_type="bnpo", is_mode="sequence_truncate")}
 
 
 @pytest.mark.parametrize("name", list(UPDATES))
 def test_one_update_with_gradient_accumulation_equals_trls(model_dir, tokenizer, batch, name):
-    """TRL's `train()` for one step in two micro-batches (gradient accumulation 2) against our `update` with TRL's
-    micro-batches: the same weights after one SGD step. bnpo normalises each micro-batch by its own tokens, so this
-    checks its per-micro-batch count; the model's own forward passes on both sides (ours with its speed-ups)."""
+    """TRL's `train()` on one batch in two micro-batches (gradient accumulation 2) against our `update` with TRL's
+    micro-batches: the same weights after the SGD steps (one per iteration). bnpo normalises each micro-batch by its own
+    tokens, so this checks its per-micro-batch count; the model's own forward passes on both sides (ours with its
+    speed-ups); with two iterations the second is off-policy, where the ratio's level, delta and the KL's form matter."""
     lr = 1.0
     before, theirs, order = one_trl_step(model_dir, tokenizer, batch, lr, **UPDATES[name])
     ours = one_update_of_ours(model_dir, batch, order, lr, **UPDATES[name])

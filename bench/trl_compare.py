@@ -14,9 +14,10 @@ materialises the full logits. Set --ours-set share_prompt=false to compare witho
 
 Both arms optimise the same objective: TRL's GRPOConfig gets ours field by field (`trl_objective_args`), its
 defaults that differ from ours included: the KL term plain k3 (TRL's default is the bias-corrected r * k3,
-`use_bias_correction_kl`), epsilon_high, scale_rewards, and the importance-sampling mode and cap. Neither arm corrects for a
-sampler here (both sample with their learner: TRL applies its correction only with vLLM, ours only with tis_cap), and the
-run prints and saves (meta.objective) what each arm optimised, read back from its own config, and any difference.
+`use_bias_correction_kl`), epsilon_high, scale_rewards, and the importance-sampling mode and cap. Neither arm
+corrects for a sampler here (both sample with their learner: TRL applies its correction only with vLLM, ours only
+with tis_cap), and the run prints and saves (meta.objective) what each arm optimised, read back from its own config,
+and any difference.
 
 Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...).
 Step time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
@@ -47,7 +48,7 @@ def shared_config(quick: bool, model_path: str, steps: int, threads: int) -> dic
 
 
 def our_objective(c) -> dict:
-    "What mmrgrpo's arm optimises, in terms both configs share: the loss, its KL form, clipping, the sampler correction."
+    "What mmrgrpo's arm optimises, in both configs' terms: the loss, its KL form, clipping, the sampler correction."
     selected = {"none": 1.0, "entropy": c.keep_ratio}.get(c.token_selection, c.token_selection)   # TRL: only entropy
     return {"loss_type": c.loss_type, "beta": c.beta_, "kl": "r * k3" if c.use_bias_correction_kl else "k3",
             "eps_low": c.eps_low, "eps_high": c.eps_high_, "delta": c.delta,

@@ -108,4 +108,4 @@ def test_mmrgrpo_train_runs_a_config_written_with_trls_names(tmp_path):
         vllm_importance_sampling_mode="sequence_mask")
     assert "epsilon" not in saved and load_config(out / "config.yaml").eps_low == 0.15     # it reads back
     step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][0]
-    assert "tokens/kept_fraction" in step and "is/ratio_mean" in step        # the entropy selector and the correction ran
+    assert "tokens/kept_fraction" in step and "is/ratio_mean" in step   # the entropy selector and the correction ran

@@ -246,9 +246,9 @@ def test_the_update_hands_every_loss_option_to_the_loss(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "sampler_is_weights", is_weights)
     ro = _rollout()
     ro.sampler_logprobs = torch.zeros_like(ro.completion_mask, dtype=torch.float)
-    c = _config(tmp_path, loss_type="bnpo", importance_sampling_level="sequence", delta=4.0, use_bias_correction_kl=True,
-                beta=0.04, lora=True, mask_truncated_completions=True, micro_batch_size=4, tis_cap=3.0,
-                vllm_importance_sampling_mode="token_mask")
+    c = _config(tmp_path, loss_type="bnpo", importance_sampling_level="sequence", delta=4.0,
+                use_bias_correction_kl=True, beta=0.04, lora=True, mask_truncated_completions=True, micro_batch_size=4,
+                tis_cap=3.0, vllm_importance_sampling_mode="token_mask")
     from mmrgrpo.models import add_lora
     _run_update(c, add_lora(_model(), c), ro, torch.linspace(-1, 1, 8))
     assert {k: seen["loss"][k] for k in ("level", "delta", "use_bias_correction_kl", "beta")} == dict(

@@ -64,7 +64,7 @@ class Batch:
         with torch.no_grad():
             from mmrgrpo.logprobs import completion_stats
             self.old = completion_stats(model, self.rollout.prompt_ids, self.rollout.prompt_mask, c_ids,
-                                        torch.ones_like(c_ids))[0] * self.mask       # (N, T) the learner's, 0 on padding
+                                        torch.ones_like(c_ids))[0] * self.mask   # (N, T) the learner's, 0 on padding
         n = self.mask.numel()
         # the current policy against the old one: ratios from 0.5 to 3.5, some past the clip range, some past delta
         ratios = torch.tensor([0.5, 0.9, 1.1, 1.25, 1.35, 3.5, 0.75, 1.0, 1.3])
@@ -237,7 +237,8 @@ def test_none_rewards_the_old_way_differ_from_trls_by_this_much(model_dir, token
     assert diff[:G].max() < ATOL                                  # the group with every row scored: the same
     # the second group's rewards [-, 0.1, 0.5, 0]: TRL compares the last three (mean 0.2) and gives the first 0; scored
     # 0 it joins them (mean 0.15, std 0.2380) and gets -0.15 / 0.2380 = -0.630, the others shift by up to 0.336
-    assert advantages[4].item() == pytest.approx(-0.630, abs=1e-3) and diff[G + 1:].max() == pytest.approx(0.336, abs=1e-3)
+    assert advantages[4].item() == pytest.approx(-0.630, abs=1e-3)
+    assert diff[G + 1:].max() == pytest.approx(0.336, abs=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
@@ -300,8 +301,9 @@ def test_the_loss_equals_trls_for_every_option_and_pair(model_dir, tokenizer, ba
 
 def test_our_defaults_and_trls_optimise_different_objectives_by_this_much(model_dir, tokenizer, batch):
     """Two defaults differ on purpose. The KL: plain k3 (ours) against TRL's bias-corrected k3, off-policy at beta 0.04,
-    moves the gradient by a few percent. The sampler correction: our token_truncate at cap 2 against TRL's sequence_mask at
-    cap 3 drops whole completions whose product of ratios is above 3, moving the loss by more than half."""
+    moves the gradient by a few percent. The sampler correction: our token_truncate at cap 2 against TRL's
+    sequence_mask at cap 3 drops whole completions whose product of ratios is above 3, moving the loss by more than
+    half."""
     model = load_model(model_dir)
     def loss_and_grad(**options):
         trainer = trl_trainer(model_dir, tokenizer, batch, model=model, **options)
@@ -367,7 +369,8 @@ def test_one_update_with_gradient_accumulation_equals_trls(model_dir, tokenizer,
     """TRL's `train()` on one batch in two micro-batches (gradient accumulation 2) against our `update` with TRL's
     micro-batches: the same weights after the SGD steps (one per iteration). bnpo normalises each micro-batch by its own
     tokens, so this checks its per-micro-batch count; the model's own forward passes on both sides (ours with its
-    speed-ups); with two iterations the second is off-policy, where the ratio's level, delta and the KL's form matter."""
+    speed-ups); with two iterations the second is off-policy, where the ratio's level, delta and the KL's form
+    matter."""
     lr = 1.0
     before, theirs, order = one_trl_step(model_dir, tokenizer, batch, lr, **UPDATES[name])
     ours = one_update_of_ours(model_dir, batch, order, lr, **UPDATES[name])

@@ -25,7 +25,7 @@ on_step_begin and on_step_end (generation, rewards, reference pass, forward/back
 TRL's own logged `step_time` is stored beside it as a cross-check). The first step of each run is a warm-up and is left
 out of the medians.
 
-    pip install trl==1.16.0               # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
+    pip install trl==1.16.0               # in the dev and bench extras; leaves torch 2.13 and transformers as they are
     python bench/trl_compare.py           # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
     python bench/trl_compare.py --quick   # a tiny random model saved to a temp folder, 1-3 min
 """
@@ -234,7 +234,7 @@ def main(argv=None):
     if args.worker: return bl.serve_worker(args.worker, args.worker_out, {"ours": worker_ours, "trl": worker_trl})
     meta = bl.start_meta()
     try: import trl; trl_version = trl.__version__
-    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (a benchmark-only extra)")
+    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (in the dev and bench extras)")
     steps = args.steps or (3 if args.quick else 4)
     tmp = tempfile.TemporaryDirectory()
     if args.quick:     # the tiny random model, saved as a plain folder both trainers can load

@@ -26,7 +26,7 @@ backward to the inputs 2; the frozen base has no weight gradients; full training
 completion tokens; tokens are every row's prompt and completion (no credit for prompt sharing); attention scores and
 the adapters' own FLOPs are left out.
 
-    pip install trl==1.16.0                        # benchmark-only extra (`.[bench]`)
+    pip install trl==1.16.0                        # in the dev and bench extras
     python bench/gpu_compare.py --device cuda --out bench/results/gpu_compare_h200.json   # a lent GPU
     python bench/gpu_compare.py --tiny             # both workloads on tiny random models, 2 steps, CPU: 1-3 min
 """
@@ -229,7 +229,7 @@ def main(argv=None):
     if args.steps is not None and args.steps < 2: ap.error(f"--steps {args.steps}: at least 2 (the first warms up)")
     if args.runs < 1: ap.error(f"--runs {args.runs}: at least 1")
     try: import trl; trl_version = trl.__version__
-    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (a benchmark-only extra)")
+    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (in the dev and bench extras)")
     device = pick_device(ap, args.device)
     meta = bl.start_meta()
     out = Path(args.out) if args.out else bl.result_path("gpu_compare", args.quick)

@@ -12,13 +12,20 @@ gradient_checkpointing=True are switched off); rewards accuracy (weight 1) and f
 runs each group's prompt once in the update (prompt sharing, on by default) and computes log-probs in chunks; TRL
 materialises the full logits. Set --ours-set share_prompt=false to compare without prompt sharing.
 
+Both arms optimise the same objective: TRL's GRPOConfig gets ours field by field (`trl_objective_args`), its
+defaults that differ from ours included: the KL term plain k3 (TRL's default is the bias-corrected r * k3,
+`use_bias_correction_kl`), epsilon_high, scale_rewards, and the importance-sampling mode and cap. Neither arm
+corrects for a sampler here (both sample with their learner: TRL applies its correction only with vLLM, ours only
+with tis_cap), and the run prints and saves (meta.objective) what each arm optimised, read back from its own config,
+and any difference.
+
 Each arm runs in its own subprocess (clean peak RSS from getrusage), the arms alternate (ours, trl, trl, ours, ...).
 Step time excludes model loading: ours is the trainer's `time/step`; TRL's is the time between the trainer callbacks
 on_step_begin and on_step_end (generation, rewards, reference pass, forward/backward and optimizer step of that step;
 TRL's own logged `step_time` is stored beside it as a cross-check). The first step of each run is a warm-up and is left
 out of the medians.
 
-    pip install trl==1.16.0               # benchmark-only extra; leaves torch 2.13 and transformers 5.24 as they are
+    pip install trl==1.16.0               # in the dev and bench extras; leaves torch 2.13 and transformers as they are
     python bench/trl_compare.py           # full: 2 runs per arm x 4 steps, about 20 min on 2 cores
     python bench/trl_compare.py --quick   # a tiny random model saved to a temp folder, 1-3 min
 """
@@ -38,6 +45,40 @@ def shared_config(quick: bool, model_path: str, steps: int, threads: int) -> dic
                 scale_rewards="group", num_iterations=1, learning_rate=1e-4, warmup_steps=0, weight_decay=0.0,
                 max_grad_norm=1.0, micro_batch_size=0, autocast_bf16=False, gradient_checkpointing=False,
                 reward_funcs=["accuracy", "format"], reward_weights=[1.0, 0.2])
+
+
+def our_objective(c) -> dict:
+    "What mmrgrpo's arm optimises, in both configs' terms: the loss, its KL form, clipping, the sampler correction."
+    selected = {"none": 1.0, "entropy": c.keep_ratio}.get(c.token_selection, c.token_selection)   # TRL: only entropy
+    return {"loss_type": c.loss_type, "beta": c.beta_, "kl": "r * k3" if c.use_bias_correction_kl else "k3",
+            "eps_low": c.eps_low, "eps_high": c.eps_high_, "delta": c.delta,
+            "importance_sampling_level": c.importance_sampling_level,
+            "mask_truncated_completions": c.mask_truncated_completions, "top_entropy_quantile": selected,
+            "scale_rewards": c.scale_rewards_,
+            "sampler_correction": f"{c.vllm_importance_sampling_mode}, cap {c.tis_cap_:g}" if c.tis_cap_ else "off"}
+
+
+def trl_objective(args) -> dict:
+    "The same, read back from TRL's GRPOConfig (after --trl-set): what its arm optimises."
+    on = args.use_vllm and args.vllm_importance_sampling_correction
+    return {"loss_type": args.loss_type, "beta": args.beta, "kl": "r * k3" if args.use_bias_correction_kl else "k3",
+            "eps_low": args.epsilon, "eps_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            "delta": args.delta, "importance_sampling_level": args.importance_sampling_level,
+            "mask_truncated_completions": args.mask_truncated_completions,
+            "top_entropy_quantile": args.top_entropy_quantile, "scale_rewards": args.scale_rewards,
+            "sampler_correction": (f"{args.vllm_importance_sampling_mode}, cap "
+                                   f"{args.vllm_importance_sampling_clip_max:g}" if on else "off")}
+
+
+def trl_objective_args(c) -> dict:
+    "TRL GRPOConfig fields that make its arm optimise what ours (config `c`) does."
+    return dict(loss_type=c.loss_type, beta=c.beta_, use_bias_correction_kl=c.use_bias_correction_kl,
+                epsilon=c.eps_low, epsilon_high=c.eps_high_, delta=c.delta,
+                importance_sampling_level=c.importance_sampling_level,
+                mask_truncated_completions=c.mask_truncated_completions, scale_rewards=c.scale_rewards_,
+                top_entropy_quantile=c.keep_ratio if c.token_selection == "entropy" else 1.0,
+                vllm_importance_sampling_mode=c.vllm_importance_sampling_mode,
+                vllm_importance_sampling_clip_max=c.tis_cap_ or 2.0)
 
 
 def prompts_and_answers(c) -> list:
@@ -75,7 +116,8 @@ def worker_ours(cfg: dict, extra: list, device: str = None) -> dict:
             "rss_after_load_mb": rss_loaded,
             "reward_s": [r.get("time/reward") for r in rows],
             "phases_s": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
-            "params": params, "device": str(next(model.parameters()).device), "threads": torch.get_num_threads()}
+            "params": params, "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
+            "objective": our_objective(c)}
 
 
 def timed_method(obj, name: str, into: list, device: str):
@@ -89,8 +131,9 @@ def timed_method(obj, name: str, into: list, device: str):
     setattr(obj, name, timed)
 
 
-def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) -> dict:
-    "One run of TRL's GRPOTrainer with the same settings, on `device`; `bf16`: bf16 weights and mixed precision."
+def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False, ours_extra: list = ()) -> dict:
+    """One run of TRL's GRPOTrainer with the same settings and objective as ours (`cfg` with `ours_extra`), on `device`;
+    `bf16`: bf16 weights and mixed precision; `extra`: TRL fields set last."""
     import torch, trl
     from datasets import Dataset
     from peft import LoraConfig
@@ -99,7 +142,7 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
     from mmrgrpo.config import load_config
     from mmrgrpo.models import load_tokenizer
     from mmrgrpo.rewards import get_reward_funcs
-    c = load_config(**dict(cfg, output_dir="unused"))
+    c = load_config(overrides=list(ours_extra), **dict(cfg, output_dir="unused"))
     bl.set_threads(c.threads)
     pa = prompts_and_answers(c)
     ds = Dataset.from_dict({"prompt": [p for p, _ in pa], "answer": [a for _, a in pa]})
@@ -120,8 +163,7 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
                           per_device_train_batch_size=c.prompts_per_step * c.num_generations,
                           gradient_accumulation_steps=1,
                           num_generations=c.num_generations, max_completion_length=c.max_completion_length,
-                          temperature=c.temperature, top_p=c.top_p, top_k=0, beta=c.beta_, loss_type=c.loss_type,
-                          epsilon=c.eps_low, epsilon_high=c.eps_high_, scale_rewards=c.scale_rewards_, num_iterations=1,
+                          temperature=c.temperature, top_p=c.top_p, top_k=0, **trl_objective_args(c), num_iterations=1,
                           learning_rate=c.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
                           weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, optim="adamw_torch",
                           max_steps=c.steps, logging_steps=1, save_strategy="no", report_to="none", seed=c.seed,
@@ -150,12 +192,20 @@ def worker_trl(cfg: dict, extra: list, device: str = "cpu", bf16: bool = False) 
             "completion_length": [l.get("completions/mean_length") for l in steps], "kl": [l.get("kl") for l in steps],
             "load_s": load_s, "train_wall_s": train_s, "rss_after_load_mb": rss_loaded, "trl_version": trl.__version__,
             "generate_s": generate_s, "prepare_s": prepare_s, "device": str(trainer.accelerator.device),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "objective": trl_objective(targs)}
 
 
-def run_worker(arm: str, cfg: dict, extra: list, threads: int) -> dict:
+def run_worker(arm: str, cfg: dict, extra: list, ours_extra: list) -> dict:
     "Run one arm in a fresh Python process; return its result dict (with peak RSS)."
-    return bl.run_worker(__file__, {"arm": arm, "cfg": cfg, "extra": extra})
+    return bl.run_worker(__file__, {"arm": arm, "cfg": cfg, "extra": extra,
+                                    **({"ours_extra": ours_extra} if arm == "trl" else {})})
+
+
+def same_objective(runs: list) -> dict:
+    "Each arm's objective as its own config reads, and the fields where they differ."
+    objective = {r["arm"]: r["objective"] for r in runs}
+    ours, trl = objective["ours"], objective["trl"]
+    return {**objective, "differ": sorted(k for k in ours if ours[k] != trl.get(k))}
 
 
 def summarise(runs: list, arm: str) -> dict:
@@ -184,7 +234,7 @@ def main(argv=None):
     if args.worker: return bl.serve_worker(args.worker, args.worker_out, {"ours": worker_ours, "trl": worker_trl})
     meta = bl.start_meta()
     try: import trl; trl_version = trl.__version__
-    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (a benchmark-only extra)")
+    except ImportError: sys.exit("TRL is not installed: pip install trl==1.16.0 (in the dev and bench extras)")
     steps = args.steps or (3 if args.quick else 4)
     tmp = tempfile.TemporaryDirectory()
     if args.quick:     # the tiny random model, saved as a plain folder both trainers can load
@@ -201,17 +251,21 @@ def main(argv=None):
     for i, arm in enumerate(order):
         extra = args.ours_set if arm == "ours" else args.trl_set
         print(f"run {i + 1}/{len(order)}: {arm} ...", flush=True)
-        r = run_worker(arm, cfg, extra, args.threads)
+        r = run_worker(arm, cfg, extra, args.ours_set)
         runs.append(r)
         print(f"  steps {[round(t, 2) for t in r['step_s']]} s, peak RSS {r['peak_rss_mb']:.0f} MiB, "
               f"load {r['load_s']:.1f} s, reward {[round(x, 3) for x in r['reward'] if x is not None]}", flush=True)
     s = {arm: summarise(runs, arm) for arm in ("ours", "trl")}
     ratio = s["ours"]["median_step_s"] / s["trl"]["median_step_s"]
     mem_ratio = s["ours"]["peak_rss_mb"] / s["trl"]["peak_rss_mb"]
+    objective = same_objective(runs)
     print(f"\nconfig: model {Path(model_path).name}, G={cfg['num_generations']}, prompts={cfg['prompts_per_step']}, "
-          f"new tokens={cfg['max_completion_length']}, beta={cfg['beta']}, loss grpo, LoRA r=16 alpha=32, "
-          f"TRL {trl_version}, "
+          f"new tokens={cfg['max_completion_length']}, LoRA r=16 alpha=32, TRL {trl_version}, "
           f"{args.runs} runs x {steps} steps per arm (first step of each run is a warm-up)")
+    print("objective, both arms: " + ", ".join(f"{k} {v}" for k, v in objective["ours"].items()))
+    if objective["differ"]:
+        print("WARNING: the arms optimise different objectives: " + ", ".join(
+            f"{k} ours {objective['ours'][k]!r}, TRL {objective['trl'].get(k)!r}" for k in objective["differ"]))
     print(bl.table([{"arm": a, **v} for a, v in s.items()],
                    ["arm", "median_step_s", "mean_step_s", "timed_steps", "peak_rss_mb", "rss_after_load_mb", "load_s",
                     "mean_reward", "mean_completion_length"],
@@ -221,7 +275,7 @@ def main(argv=None):
     out = {"name": "trl_compare", "quick": args.quick, "trl_version": trl_version, "config": cfg,
            "ours_overrides": args.ours_set, "trl_overrides": args.trl_set, "order": order, "runs": runs, "summary": s,
            "step_time_ratio_ours_over_trl": ratio, "peak_rss_ratio_ours_over_trl": mem_ratio,
-           "meta": bl.finish_meta(meta)}
+           "meta": {**bl.finish_meta(meta), "objective": objective}}
     p = bl.write_json(Path(args.out) if args.out else bl.result_path("trl_compare", args.quick), out)
     print(f"wrote {p}")
     tmp.cleanup()

@@ -68,6 +68,7 @@ def group_advantages(rewards: torch.Tensor,  # (B*G,) rewards, ordered group by 
                      group_size: int,         # G, completions per prompt
                      scale: str = "group",    # divide by the "group"'s std, the whole "batch"'s, or "none" (Dr. GRPO)
                      eps: float = 1e-4,       # added to the std before dividing
+                     scored: torch.Tensor = None,  # (B*G,) bool: False where no reward function scored (None: all)
                     ) -> torch.Tensor:        # (B*G,) advantages
     "Group-relative advantages: reward minus its group's mean, optionally divided by a (Bessel-corrected) std."
     if scale not in ("group", "batch", "none"):
@@ -76,11 +77,29 @@ def group_advantages(rewards: torch.Tensor,  # (B*G,) rewards, ordered group by 
         raise ValueError(f"group_size={group_size}: a group's std needs at least 2 completions; "
                          "use scale='none' or 'batch'")
     rewards = as_values(rewards, "rewards")
+    if scored is not None and not bool(scored.all()): return _scored_advantages(rewards, group_size, scale, eps, scored)
     check_finite(rewards, "rewards")
     r = group_view(rewards.float(), group_size)                  # (B, G)
     centred = r - r.mean(dim=1, keepdim=True)
     if scale == "none": return centred.flatten()
     std = r.std(dim=1, keepdim=True) if scale == "group" else rewards.float().std()
+    return (centred / (std + eps)).flatten()
+
+# %% ../nbs/16_advantages.ipynb #a1b2c3d1
+def _scored_advantages(rewards, group_size, scale, eps, scored):
+    "`group_advantages` where some rows are unscored: each group's mean and std over its scored rows; 0 for the others."
+    if scored.shape != rewards.shape:
+        raise ValueError(f"scored {tuple(scored.shape)} for rewards {tuple(rewards.shape)}: one flag per completion")
+    s_flat = scored.bool().to(rewards.device)
+    check_finite(rewards[s_flat], "rewards")                     # an unscored row's value is never read
+    r, s = group_view(torch.where(s_flat, rewards.float(), 0.0), group_size), group_view(s_flat, group_size)
+    n = s.sum(1, keepdim=True)                                   # (B, 1) scored rows per group
+    centred = torch.where(s, r - r.sum(1, keepdim=True) / n.clamp(min=1), 0.0)
+    if scale == "none": return centred.flatten()
+    if scale == "group": std = (centred.square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    else:
+        values = rewards.float()[s_flat]
+        std = values.std() if values.numel() > 1 else values.new_zeros(())
     return (centred / (std + eps)).flatten()
 
 # %% ../nbs/16_advantages.ipynb #01a6bdc0

@@ -64,6 +64,7 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
                          variant: str = "credit",   # "credit" (ours, the default) or "reference" (MMR-GRPO's rule)
                          scale: str = "group",      # advantage scaling, as in `group_advantages`
                          lam: float | None = None,  # fixed λ; None: adaptive
+                         scored: torch.Tensor = None,  # (B*G,) bool: False where no reward function scored (None: all)
                          **reference_options,       # first_pick, scope, tie_break: options of `mmr_reweight_groups`
                         ) -> torch.Tensor:          # (B*G,) advantages
     "Advantages that account for redundancy: the diversity credit, or GRPO advantages of the reference MMR rewards."
@@ -74,7 +75,7 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
                          "pass one embedding per completion")
     if variant == "reference":
         mmr_rewards = mmr_reweight_groups(rewards, embeddings, group_size, lam=lam, **reference_options)[0]
-        return group_advantages(mmr_rewards, group_size, scale=scale)
+        return group_advantages(mmr_rewards, group_size, scale=scale, scored=scored)
     if reference_options.get("scope", "group") != "group":
         raise ValueError("scope='batch' pools groups, which only the reference rule does: use variant='reference'")
     if unknown := set(reference_options) - {"first_pick", "scope", "tie_break"}:
@@ -83,6 +84,6 @@ def diversity_advantages(rewards: torch.Tensor,     # (B*G,) raw rewards, ordere
     if lam is not None and not 0 < lam <= 1:
         raise ValueError(f"lam={lam}: a fixed λ must lie in (0, 1], or None for adaptive")
     r = group_view(rewards.float(), group_size)                            # (B, G)
-    A = group_view(group_advantages(rewards, group_size, scale=scale), group_size)
+    A = group_view(group_advantages(rewards, group_size, scale=scale, scored=scored), group_size)
     S = similarity_matrix(embeddings.to(r.device), group_size)             # (B, G, G)
     return diversity_credit(A, r, S, lam).flatten()

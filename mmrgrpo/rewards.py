@@ -1,4 +1,4 @@
-"""math-verify and the format check on a real GSM8K question, rewards summed TRL's way, a time-limited verifier pool.
+"""math-verify and the format check on GSM8K, the weighted sum (`None` as TRL counts it), a time-limited verifier pool.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/rewards.html.md"""
 
@@ -200,10 +200,13 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
 # %% ../nbs/10_rewards.ipynb #e9704f66
 def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list,
                     columns: dict[str, list], on_error: str = "raise",
-                    timeout: float = None) -> tuple["torch.Tensor", dict]:
-    "The weighted sum of the reward functions' scores, `(N,)` float32, and their metrics `rewards/<name>...`."
+                    timeout: float = None,
+                    on_none: str = "exclude",   # every function None: "exclude" (NaN, as TRL) or "zero" (0)
+                   ) -> tuple["torch.Tensor", dict]:
+    "The weighted sum of the reward functions' scores, `(N,)` float32 (NaN where none scored), and their metrics."
     import torch   # here, not at the top: the verifier processes import this module and need no torch
     if on_error not in ("raise", "zero"): raise ValueError(f"on_error={on_error!r}: use 'raise' or 'zero'")
+    if on_none not in ("exclude", "zero"): raise ValueError(f"on_none={on_none!r}: use 'exclude' or 'zero'")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: "
@@ -222,8 +225,10 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
                          "per completion")
     before, n = reward_counters(), len(completions)
     total, metrics = torch.zeros(n, dtype=torch.float64), {}
+    unscored = torch.ones(n, dtype=torch.bool)          # (N,) True while every function so far said None
     for func, weight, name in zip(funcs, weights, names):
         scores, errors = _reward_column(func, name, prompts, completions, columns, on_error, timeout)
+        unscored &= torch.tensor([s is None for s in scores], dtype=torch.bool)
         r = torch.tensor([0.0 if s is None else s for s in scores], dtype=torch.float64)   # (N,)
         total += weight * r
         metrics[f"rewards/{name}"] = r.mean().item() if n else 0.0
@@ -232,7 +237,9 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
         metrics[f"rewards/{name}_errors"] = errors
     after = reward_counters()
     metrics.update({f"rewards/{k}": after[k] - before[k] for k in after})
-    return _in_float32(total, on_error, metrics), metrics
+    metrics["rewards/unscored"] = int(unscored.sum())
+    total = _in_float32(total, on_error, metrics)
+    return (total.masked_fill(unscored, float("nan")) if on_none == "exclude" else total), metrics
 
 def _in_float32(total, on_error: str, metrics: dict):
     "The weighted sum in float32; a sum beyond its range is an error, or (on_error='zero') 0 and counted."

@@ -22,11 +22,11 @@ from .models import reference_context, autocast, choose_dtype
 from .sampling import Rollout, StepAbandoned
 from .advantages import group_advantages, group_view, group_runs, frac_zero_std
 from .logprobs import completion_stats
-from .loss import per_token_loss, loss_weights, aggregate_loss, truncated_is_weights
+from .loss import per_token_loss, loss_weights, aggregate_loss, sampler_is_weights, mask_truncated
 from .mmr import mmr_reweight_groups, dra_reweight, share_duplicates, zero_std_groups_revived, embed_completions
 from .diversity import diversity_advantages, credit_beta
 from .pruning import keep_mask
-from .tokens import token_scores, select_tokens, mask_advantages
+from .tokens import token_scores, select_tokens, mask_advantages, entropy_quantile_mask
 from .distributed import dist_info, all_reduce_sum, is_sharded, full_value
 from .runlog import Phases
 from .speedups import PassStats, first_answer, hooks
@@ -36,12 +36,16 @@ def score(rollout: Rollout, records: list, reward_funcs, c: GRPOConfig) -> tuple
     "Weighted rewards (N,) and metrics for a rollout whose groups come from `records`."
     columns = {k: [r.get(k) for r in records for _ in range(rollout.group_size)] for k in records[0] if k != "question"}
     return compute_rewards(reward_funcs, c.reward_weights, rollout.prompts, rollout.completions, columns,
-                           on_error=c.on_reward_error, timeout=c.reward_timeout)
+                           on_error=c.on_reward_error, timeout=c.reward_timeout, on_none=c.on_reward_none)
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict:
     "TRL's numbers about a step's completions: mean reward, its spread in groups, flat groups, length, truncation."
-    G = rollout.group_size
-    return {"reward": rewards.mean().item(), "reward_std": group_view(rewards, G).std(1).mean().item(),
+    G, scored = rollout.group_size, ~rewards.isnan()
+    reward = rewards[scored].mean().item() if scored.any() else float("nan")
+    if not scored.all():             # an unscored completion takes its group's scored mean: it adds no spread
+        r, s = group_view(rewards.nan_to_num(0.0), G), group_view(scored, G)
+        rewards = torch.where(s, r, r.sum(1, keepdim=True) / s.sum(1, keepdim=True).clamp(min=1)).flatten()
+    return {"reward": reward, "reward_std": group_view(rewards, G).std(1).mean().item(),
             "frac_reward_zero_std": frac_zero_std(rewards, G),
             "completion_length": rollout.completion_mask.sum(-1).float().mean().item(),
             "completions/truncated_fraction": rollout.truncated.float().mean().item()}
@@ -51,14 +55,16 @@ def rollout_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict:
 def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embedder=None, phases=None) -> tuple:
     "Advantages (N,) and metrics, the completions' similarity taken into account when `c.reweight` asks."
     G, phases = rollout.group_size, phases or Phases()
-    plain = group_advantages(rewards, G, scale=c.scale_rewards_)
+    # NaN: no reward function scored the completion; it stays out of its group's mean and std and gets advantage 0
+    scored, rewards = ~rewards.isnan(), rewards.nan_to_num(0.0)
+    plain = group_advantages(rewards, G, scale=c.scale_rewards_, scored=scored)
     if c.reweight == "none": return plain, {}
     same_text = list(zip(rollout.group_ids.tolist(), rollout.completions))
     with phases("mmr"):
         emb, n_long = embed_completions(rollout.completions, embedder, return_truncated=True)
         # the credit: GRPO's advantages, shared among the winners
         if c.reweight == "mmr" and c.mmr_variant == "credit":
-            credit = diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda)
+            credit = diversity_advantages(rewards, emb, G, scale=c.scale_rewards_, lam=c.mmr_lambda, scored=scored)
             advantages = share_duplicates(credit, same_text)
             push = plain.clamp(min=0).sum().item()                   # 0 when every group is flat: nothing to move
             moved = (advantages - plain).abs().sum().item() / 2 / push if push > 1e-3 else 0.0
@@ -74,7 +80,7 @@ def advantages_for(rewards: torch.Tensor, rollout: Rollout, c: GRPOConfig, embed
     metrics = {f"reward_{c.reweight}": reweighted.mean().item(), "mmr/truncated": n_long,
                "mmr/zero_std_groups_revived": zero_std_groups_revived(rewards, reweighted, G)}
     if lams is not None: metrics["mmr/lambda"] = lams.float().mean().item()
-    return group_advantages(reweighted, G, scale=c.scale_rewards_), metrics
+    return group_advantages(reweighted, G, scale=c.scale_rewards_, scored=scored), metrics
 
 def prune(rollout: Rollout, advantages: torch.Tensor, c: GRPOConfig, seed: int = 0) -> tuple:
     "Keep the completions with the largest |advantage| (CPPO, or the ablation `c.prune_mode` names), drop the rest."
@@ -276,12 +282,14 @@ def batch_logprobs(model, rollout: Rollout, c: GRPOConfig, slices: list, with_su
 def choose_tokens(c: GRPOConfig, stats: tuple, logp_old, logp_ref, advantages, mask, group_ids) -> torch.Tensor:
     "The tokens (N, T) that keep their advantage, picked by the configured selector from the current policy's `stats`."
     logp, entropy, log_sumsq = stats
+    if c.token_selection == "entropy":       # the batch's top entropy quantile: no scores, no groups
+        return entropy_quantile_mask(entropy, mask, c.keep_ratio, inverse=c.token_selection_inverse)
     old = logp.detach() if logp_old is None else logp_old
     # weights w_i: each token's share of the aggregated loss
     scores = token_scores(c.token_selection, entropy, logp.detach(), old, advantages, logp_ref, log_sumsq, beta=c.beta_,
-                          eps_low=c.eps_low, eps_high=c.eps_high_, weights=loss_weights(mask, c.loss_type))
-    scope = "batch" if c.token_selection == "entropy" else "group"
-    return select_tokens(scores, mask, group_ids, c.keep_ratio, scope=scope, inverse=c.token_selection_inverse)
+                          eps_low=c.eps_low, eps_high=c.eps_high_, weights=loss_weights(mask, c.loss_type),
+                          delta=c.delta, use_bias_correction_kl=c.use_bias_correction_kl)
+    return select_tokens(scores, mask, group_ids, c.keep_ratio, inverse=c.token_selection_inverse)
 
 
 # %% ../nbs/41_step.ipynb #0f5cd42a
@@ -304,6 +312,9 @@ class UpdateBatch:
         device = next(self.model.parameters()).device
         self.rollout, self.advantages = self.rollout.to(device), self.advantages.to(device)
         c, self.mask, self.n_rows = self.c, self.rollout.completion_mask, len(self.rollout.completions)   # mask (N, T)
+        # the tokens the loss counts (N, T): the completions', the truncated ones' left out when asked (DAPO)
+        truncated = self.rollout.truncated
+        self.loss_mask = mask_truncated(self.mask, truncated) if c.mask_truncated_completions else self.mask
         self.group_ids, device_type = self.rollout.group_ids, self.advantages.device.type
         widths_of = pass_stats(c, self.model).widths           # what a pass holds of each row: its own length, or T
         width = widths_of(self.mask).tolist() if widths_of else self.mask.shape[1]
@@ -312,7 +323,8 @@ class UpdateBatch:
         autocast_dtype = choose_dtype(device_type, autocast=c.autocast_bf16).autocast
         self.scaler = grad_scaler(self.optimizer, device_type, autocast_dtype)
         self.cap = importance_cap(c, self.rollout)
-        self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.mask.sum().item())
+        self.n_seq, self.n_tok = all_reduce_sum(self.n_rows), all_reduce_sum(self.loss_mask.sum().item())
+        self.n_micro = all_reduce_sum(len(self.slices))         # bnpo: the micro-batches whose token means it averages
         self.selecting, self.with_sumsq = c.token_selection != "none", c.token_selection == "logit_grad"
         # scores rank whole groups (the entropy selector: the whole batch); when a micro-batch cannot see that,
         # score in a pass first
@@ -351,19 +363,20 @@ def token_pass(u: UpdateBatch, iteration: int, old_stats, logp_ref) -> torch.Ten
         if iteration == 0 and old_stats is not None: stats = old_stats       # the same policy: reuse that pass
         else: stats = batch_logprobs(u.model, u.rollout, u.c, u.slices, u.with_sumsq); u.forwarded(u.n_rows)
         logp_old = None if old_stats is None else old_stats[0]
-        return choose_tokens(u.c, stats, logp_old, logp_ref, u.advantages, u.mask, u.group_ids)
+        return choose_tokens(u.c, stats, logp_old, logp_ref, u.advantages, u.loss_mask, u.group_ids)
 
 # %% ../nbs/41_step.ipynb #725c6b9f
 def sampler_weights(u: UpdateBatch, rows, old: torch.Tensor, row_mask: torch.Tensor, first: bool):
-    "Truncated importance weights min(pi_old / pi_sampler, cap) (rows, T) where another engine sampled; None when off."
+    "Importance weights pi_old / pi_sampler (rows, T), capped as configured, where another engine sampled; else None."
     if not u.cap: return None
-    is_weights, capped, ratio = truncated_is_weights(old, u.rollout.sampler_logprobs[rows], u.cap, row_mask)
+    is_weights, capped, ratio = sampler_is_weights(old, u.rollout.sampler_logprobs[rows], u.cap, row_mask,
+                                                   u.c.vllm_importance_sampling_mode)
     if first: u.sums["is_ratio"] += ratio[row_mask].sum().item(); u.sums["is_capped"] += capped[row_mask].sum().item()
     return is_weights
 
 def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, token_keep) -> float:
     "Forward, token selection, loss and backward on the rows `rows`; adds their counts to `u.sums`, returns the loss."
-    c, mask = u.c, u.mask[rows]
+    c, mask = u.c, u.loss_mask[rows]
     u.check_stop("between micro-batches")
     with u.phases("update"):
         logp, entropy, log_sumsq = policy_stats(u.model, u.rollout, c, rows, u.with_sumsq and not u.score_first)
@@ -381,8 +394,10 @@ def micro_batch_pass(u: UpdateBatch, rows, iteration: int, logp_old, logp_ref, t
     with u.phases("update"):
         is_weights = sampler_weights(u, rows, logp_old_rows, row_mask, first=iteration == 0)
         loss_t, clipped, kl = per_token_loss(logp, logp_old_rows, adv, logp_ref_rows, beta=c.beta_, eps_low=c.eps_low,
-                                             eps_high=c.eps_high_, is_weights=is_weights)
-        loss = aggregate_loss(loss_t, mask, c.loss_type, c.max_completion_length, u.n_seq, u.n_tok)
+                                             eps_high=c.eps_high_, is_weights=is_weights, mask=mask,
+                                             level=c.importance_sampling_level, delta=c.delta,
+                                             use_bias_correction_kl=c.use_bias_correction_kl)
+        loss = aggregate_loss(loss_t, mask, c.loss_type, c.max_completion_length, u.n_seq, u.n_tok, u.n_micro)
         (loss if u.scaler is None else u.scaler.scale(loss)).backward()
     u.sums["clipped"] += (clipped & carrying).sum().item(); u.sums["carrying"] += carrying.sum().item()
     if iteration == 0:

@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/tokens.html.md"""
 
 # %% auto #0
 __all__ = ['SELECTORS', 'policy_grad_coef', 'gmts_scores', 'logit_grad_scores', 'token_scores', 'kept_tokens', 'select_tokens',
-           'mask_advantages']
+           'mask_advantages', 'entropy_quantile_mask']
 
 # %% ../nbs/22_tokens.ipynb #cf7bb767
 import torch
@@ -21,6 +21,8 @@ def policy_grad_coef(logp: torch.Tensor,               # (N, T) current policy l
                      logp_ref: torch.Tensor = None,    # (N, T) reference log-probs; needed when beta > 0
                      beta: float = 0.0,                # KL coefficient
                      eps_low: float = 0.2, eps_high: float = 0.2,  # clip range of the ratio
+                     delta: float = None,              # two-sided clipping's cap on the ratio (None: off)
+                     use_bias_correction_kl: bool = False,  # the KL term is r·k3 (17_loss)
                     ) -> torch.Tensor:                 # (N, T) c_t = -dL_t/dlogp_t, detached
     "Minus the derivative of each token's loss with respect to its log-prob: I_t r_t A + β (exp(logp_ref - logp) - 1)."
     logp, logp_old = logp.detach().float(), logp_old.detach().float()
@@ -28,11 +30,13 @@ def policy_grad_coef(logp: torch.Tensor,               # (N, T) current policy l
     A = A[:, None] if A.dim() == 1 else A
     ratio = (logp - logp_old).exp()
     clipped = ((ratio > 1 + eps_high) & (A > 0)) | ((ratio < 1 - eps_low) & (A < 0))
+    if delta is not None: clipped = clipped | ((ratio > delta) & (A < 0))
     coef = torch.where(clipped, 0.0, ratio * A)
     if beta:
         if logp_ref is None:
             raise ValueError(f"beta={beta} needs logp_ref (the reference model's log-probs), or use beta=0")
-        coef = coef + beta * ((logp_ref.detach().float() - logp).exp() - 1)
+        d = logp_ref.detach().float() - logp
+        coef = coef + beta * (ratio * d if use_bias_correction_kl else d.exp() - 1)
     return coef
 
 # %% ../nbs/22_tokens.ipynb #77a10207
@@ -43,9 +47,11 @@ def gmts_scores(entropy: torch.Tensor,     # (N, T) entropy of the current polic
                 advantages: torch.Tensor,  # (N,) per-completion advantages
                 beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
                 weights: torch.Tensor = None,  # (N,) weight of each completion's tokens in the loss (None: 1)
+                delta: float = None, use_bias_correction_kl: bool = False,  # the loss's options (`policy_grad_coef`)
                ) -> torch.Tensor:          # (N, T) GMTS scores, >= 0, detached
     "GMTS token scores w_i H_t |c_t|: an estimate of the size of each token's gradient."
-    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high, delta,
+                            use_bias_correction_kl).abs()
     return _weighted(entropy.detach().float() * coef, weights)
 
 def _weighted(scores, weights):
@@ -60,11 +66,13 @@ def logit_grad_scores(log_sumsq: torch.Tensor,  # (N, T) log Σ_j p_j² of the c
                       advantages: torch.Tensor, # (N,) per-completion advantages
                       beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
                       weights: torch.Tensor = None,  # (N,) loss weight of each completion's tokens (None: 1)
+                      delta: float = None, use_bias_correction_kl: bool = False,  # the loss's options
                      ) -> torch.Tensor:         # (N, T) exact gradient norms w.r.t. the logits, detached
     "Size of each token's loss gradient with respect to its logits: w_i |c_t| sqrt(1 - 2 p_y + Σ_j p_j²)."
     p = logp.detach().float().exp()
     logit_norm = (1 - 2 * p + log_sumsq.detach().float().exp()).clamp(min=0).sqrt()
-    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high).abs()
+    coef = policy_grad_coef(logp, logp_old, advantages, logp_ref, beta, eps_low, eps_high, delta,
+                            use_bias_correction_kl).abs()
     return _weighted(logit_norm * coef, weights)
 
 # %% ../nbs/22_tokens.ipynb #bb6bf6ff
@@ -79,14 +87,16 @@ def token_scores(selector: str,                  # "gmts", "entropy" or "logit_g
                  log_sumsq: torch.Tensor = None, # (N, T), needed by "logit_grad"
                  beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2,
                  weights: torch.Tensor = None,   # (N,) loss weight of each completion (gmts, logit_grad); None: 1
+                 delta: float = None, use_bias_correction_kl: bool = False,  # the loss's options (gmts, logit_grad)
                 ) -> torch.Tensor:               # (N, T) scores, detached
     "Per-token scores of the named selector."
+    options = dict(weights=weights, delta=delta, use_bias_correction_kl=use_bias_correction_kl)
     if selector == "gmts":
-        return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
+        return gmts_scores(entropy, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, **options)
     if selector == "entropy": return entropy.detach().float()
     if selector == "logit_grad":
         if log_sumsq is None: raise ValueError("selector='logit_grad' needs log_sumsq (log Σ_j p_j² per token)")
-        return logit_grad_scores(log_sumsq, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, weights)
+        return logit_grad_scores(log_sumsq, logp, logp_old, logp_ref, advantages, beta, eps_low, eps_high, **options)
     raise ValueError(f"selector={selector!r}: use one of {SELECTORS}")
 
 # %% ../nbs/22_tokens.ipynb #d5381745
@@ -146,3 +156,27 @@ def mask_advantages(advantages: torch.Tensor,  # (N,) per completion, or (N, T) 
     "Per-token advantages with the unselected tokens set to 0."
     A = advantages[:, None] if advantages.dim() == 1 else advantages
     return torch.where(token_mask.bool(), A, torch.zeros((), dtype=A.dtype, device=A.device))
+
+# %% ../nbs/22_tokens.ipynb #e1f2a3b1
+def entropy_quantile_mask(entropy: torch.Tensor,  # (N, T) entropy of the policy's next-token distribution
+                          mask: torch.Tensor,     # (N, T) 1/True for completion tokens, 0/False for padding
+                          quantile: float = 0.2,  # ρ, the share of tokens kept, in (0, 1] (TRL: top_entropy_quantile)
+                          inverse: bool = False,  # keep the lowest-entropy share instead (the ablation)
+                         ) -> torch.Tensor:       # (N, T) bool, True for tokens that keep their advantage
+    "The tokens whose entropy is at least the (1 - ρ) quantile of all valid tokens' entropies (TRL's rule)."
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile={quantile}: the share of tokens to keep must be in (0, 1]; 1 keeps every token")
+    if entropy.shape != mask.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and entropy {tuple(entropy.shape)}: one mask entry per token")
+    valid = mask.bool()
+    if quantile == 1 and not inverse: return valid.clone()
+    H = entropy.detach().float()
+    values = H[valid].sort().values                                       # (n,) ascending
+    if values.numel() == 0: return torch.zeros_like(valid)
+    check_finite(values, "entropies")
+    # torch.quantile's linear interpolation, without its limit of 2**24 values
+    rank = torch.tensor(quantile if inverse else 1 - quantile, dtype=values.dtype, device=values.device)
+    rank = rank * (values.numel() - 1)
+    below = rank.long()
+    threshold = values[below].lerp(values[(below + 1).clamp(max=values.numel() - 1)], rank - below)
+    return ((H <= threshold) if inverse else (H >= threshold)) & valid

@@ -15,7 +15,7 @@ import atexit, contextlib, gc, importlib.util, os, shutil, tempfile, weakref
 from pathlib import Path
 import torch
 from .config import ConfigError, GRPOConfig, prompts_to_sample
-from .sampling import HFBackend, Rollout, completion_mask, stop_token_ids
+from .sampling import HFBackend, Rollout, completion_mask, stop_token_ids, truncated_rows
 from .speedups import Speedup
 
 # %% ../nbs/64_vllm.ipynb #8aa4bb6c
@@ -55,7 +55,8 @@ def rollout_from_token_ids(prompts: list,               # (B,) prompt strings
     texts = ([""] * N if tokenizer is None
              else tokenizer.batch_decode(c_ids * c_mask + (1 - c_mask) * pad_id, skip_special_tokens=True))
     ro = Rollout([p for p in prompts for _ in range(G)], texts, prompt_ids.repeat_interleave(G, 0).to(device),
-                 prompt_mask.repeat_interleave(G, 0).to(device), c_ids.to(device), c_mask.to(device), G)
+                 prompt_mask.repeat_interleave(G, 0).to(device), c_ids.to(device), c_mask.to(device), G,
+                 truncated=truncated_rows(c_ids, eos_ids).to(device))
     if gen_lps is not None:
         lp = torch.zeros(N, T)
         if filled.any(): lp[filled] = torch.tensor([x for lps in gen_lps for x in lps], dtype=torch.float32)

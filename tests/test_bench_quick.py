@@ -23,7 +23,7 @@ def test_a_benchmark_runs_quick(script, tmp_path):
 
 def test_gpu_compare_runs_tiny_on_the_cpu(tmp_path):
     "bench/gpu_compare.py --tiny: both workloads, both arms, on the CPU; every qwen-shape completion runs to the limit."
-    pytest.importorskip("trl", reason="TRL is the benchmark-only extra (pip install -e '.[bench]'); CI installs .[dev]")
+    pytest.importorskip("trl", reason="TRL is in the dev and bench extras: pip install -e '.[dev]'")
     out = tmp_path / "gpu_compare.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run([sys.executable, str(BENCH / "gpu_compare.py"), "--tiny", "--device", "cpu", "--threads", "2",

@@ -66,3 +66,46 @@ def test_settings_that_do_nothing_as_set_are_warned_about():
                       "token_selection_inverse=true does nothing with token_selection=none"),
                      (dict(warmup_steps=20, steps=5), "warmup_steps=20 with steps=5: the learning rate never reaches")):
         with pytest.warns(UserWarning, match=says): load_config(**kw)
+
+
+TRL_STYLE = """# written for TRL's GRPOTrainer: its names for the options both have
+model: tiny-random
+steps: 1
+num_generations: 4
+prompts_per_step: 2
+max_completion_length: 6
+eval_size: 0
+log_completions_every: 0
+reward_funcs: [format]
+reward_weights: null
+loss_type: bnpo
+beta: 0.04
+use_bias_correction_kl: true
+epsilon: 0.15
+epsilon_high: 0.28
+delta: 4.0
+mask_truncated_completions: true
+top_entropy_quantile: 0.2
+vllm_importance_sampling_mode: sequence_mask
+vllm_importance_sampling_clip_max: 3.0
+scale_rewards: group
+"""
+
+
+def test_mmrgrpo_train_runs_a_config_written_with_trls_names(tmp_path):
+    "`mmrgrpo train --config` with TRL's names: trained as they say, and saved under ours."
+    import json, yaml
+    from mmrgrpo.cli import main
+    (tmp_path / "trl.yaml").write_text(TRL_STYLE)
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "trl.yaml"), f"output_dir={out}", "sampler_dtype=float32"]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert {k: saved[k] for k in ("eps_low", "eps_high", "tis_cap", "token_selection", "keep_ratio", "loss_type",
+                                  "use_bias_correction_kl", "delta", "mask_truncated_completions",
+                                  "vllm_importance_sampling_mode")} == dict(
+        eps_low=0.15, eps_high=0.28, tis_cap=3.0, token_selection="entropy", keep_ratio=0.2, loss_type="bnpo",
+        use_bias_correction_kl=True, delta=4.0, mask_truncated_completions=True,
+        vllm_importance_sampling_mode="sequence_mask")
+    assert "epsilon" not in saved and load_config(out / "config.yaml").eps_low == 0.15     # it reads back
+    step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][0]
+    assert "tokens/kept_fraction" in step and "is/ratio_mean" in step   # the entropy selector and the correction ran

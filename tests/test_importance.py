@@ -5,7 +5,7 @@ the kept rows; a run with (fake) vLLM applies and logs it by default."""
 import math
 import pytest, torch
 from mmrgrpo.config import ConfigError, load_config
-from mmrgrpo.loss import truncated_is_weights
+from mmrgrpo.loss import sampler_is_weights
 from mmrgrpo.step import batch_logprobs, micro_batches, policy_stats
 from mmrgrpo.trainer import train
 from test_combinations import _assert_same_grads, _config, _model, _rollout, _run_update
@@ -50,7 +50,7 @@ def test_a_perturbed_sampler_gets_capped_weights_and_the_hand_weighted_gradient(
     delta = perturbation(rollout)
     rollout.sampler_logprobs = (logp - delta) * mask
     expected = torch.where(mask, delta.exp().clamp(max=CAP), torch.ones_like(delta))
-    weights, capped, ratio = truncated_is_weights(logp, rollout.sampler_logprobs, CAP, mask)
+    weights, capped, ratio = sampler_is_weights(logp, rollout.sampler_logprobs, CAP, mask)
     torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)
     assert torch.equal(capped, (delta > math.log(CAP)) & mask) and capped.any() and (mask & ~capped).any()
 

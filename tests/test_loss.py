@@ -106,7 +106,7 @@ def test_eager_and_sdpa_attention_agree_with_padding(tokenizer, group_size):
 def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     "Found by calling the functions as a careless user would: each used to return a wrong number without a word."
     import numpy as np
-    from mmrgrpo.loss import truncated_is_weights
+    from mmrgrpo.loss import sampler_is_weights
     from mmrgrpo.pruning import keep_mask
     from mmrgrpo.rewards import compute_rewards, format_reward
     from mmrgrpo.safety import pruned_count
@@ -116,7 +116,7 @@ def test_inputs_that_would_give_a_silent_wrong_result_are_refused():
     with pytest.raises(ValueError, match="group_size=1"): group_advantages(torch.ones(4), 1)
     with pytest.raises(ValueError, match="counts cannot be negative"):
         aggregate_loss(torch.ones(2, 3), torch.ones(2, 3), num_sequences=-1)
-    with pytest.raises(ValueError, match="cap=0"): truncated_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
+    with pytest.raises(ValueError, match="cap=0"): sampler_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), cap=0)
     with pytest.raises(ValueError, match="one mask entry per score"):
         select_tokens(torch.rand(4, 5), torch.ones(1, 5), 2, keep_ratio=1.0)
     with pytest.raises(ValueError, match=r"reward weights \[nan\]"):
@@ -229,3 +229,30 @@ def test_more_calls_that_gave_a_silent_wrong_result_are_refused(tmp_path):
     with pytest.raises(ValueError, match="one id >= 0 per row"):
         select_tokens(torch.rand(2, 4), torch.ones(2, 4), torch.tensor([0, -1]), 0.5)
     with pytest.raises(ValueError, match="not their lengths"): loss_weights(torch.tensor([2, 0, 3]))   # was tensor(0.2)
+
+
+def test_the_update_hands_every_loss_option_to_the_loss(tmp_path, monkeypatch):
+    """`step.update` passes each loss option of the config on (the ratio's level, delta, the KL's form, bnpo's count of
+    micro-batches, the truncation mask, the sampler mode): what the TRL-parity tests check per formula, wired in."""
+    from mmrgrpo import step
+    from test_combinations import _config, _model, _rollout, _run_update
+    seen = {}
+    real_loss, real_agg, real_is = step.per_token_loss, step.aggregate_loss, step.sampler_is_weights
+    def loss(*a, **k): seen.update(loss=k); return real_loss(*a, **k)
+    def agg(*a, **k): seen.update(agg=a); return real_agg(*a, **k)
+    def is_weights(*a, **k): seen.update(is_mode=a[4]); return real_is(*a, **k)
+    monkeypatch.setattr(step, "per_token_loss", loss)
+    monkeypatch.setattr(step, "aggregate_loss", agg)
+    monkeypatch.setattr(step, "sampler_is_weights", is_weights)
+    ro = _rollout()
+    ro.sampler_logprobs = torch.zeros_like(ro.completion_mask, dtype=torch.float)
+    c = _config(tmp_path, loss_type="bnpo", importance_sampling_level="sequence", delta=4.0,
+                use_bias_correction_kl=True, beta=0.04, lora=True, mask_truncated_completions=True, micro_batch_size=4,
+                tis_cap=3.0, vllm_importance_sampling_mode="token_mask")
+    from mmrgrpo.models import add_lora
+    _run_update(c, add_lora(_model(), c), ro, torch.linspace(-1, 1, 8))
+    assert {k: seen["loss"][k] for k in ("level", "delta", "use_bias_correction_kl", "beta")} == dict(
+        level="sequence", delta=4.0, use_bias_correction_kl=True, beta=0.04)
+    truncated_rows = ro.truncated[4:]                          # the last micro-batch's rows
+    assert truncated_rows.any() and not seen["loss"]["mask"][truncated_rows].any()     # their tokens left out
+    assert seen["agg"][6] == 2 and seen["is_mode"] == "token_mask"                      # micro-batches; sampler mode

@@ -27,7 +27,7 @@ LESSONS = {lesson(p): p for p in NOTEBOOKS}
 # Numbers in prose that are no output: lesson -> {the number as written: why}
 NOT_OUTPUTS = {
     "one_step": {"0.2": "the clip range in the loss's formula (1 - 0.2, 1 + 0.2): a setting"},
-    "step": {"2.0": "TRL's and the config's importance-weight cap: a setting",
+    "step": {"2.0": "the config's importance-weight cap with vLLM: a setting",
              "8.0": "the compute capability below which GPUs autocast in float16: a hardware threshold"},
 }
 # Markdown cells that quote a measurement made elsewhere, which they name (a bench/ results file or BENCHMARKS*.md):

@@ -153,3 +153,19 @@ def test_backends_satisfy_the_generation_protocol(tiny_model, tokenizer):
         for name, params in protocol_methods().items():
             assert list(inspect.signature(getattr(backend, name)).parameters) == params, (backend.__name__, name)
 
+
+
+def test_a_completion_that_stops_on_the_last_column_is_not_truncated(many_stops, tokenizer, prompts):
+    """Every row stops early, so the batch is as wide as its longest completion, whose mask row is all 1: it stopped, it
+    was not cut off. After pruning away the longest, the next longest fills the trimmed width: not truncated either."""
+    ro = HFBackend(many_stops, tokenizer).generate(prompts, 4, 64, seed=1)
+    lengths = ro.completion_mask.sum(-1)
+    assert ro.completion_ids.shape[1] == lengths.max() < 64                  # all stopped before the limit
+    assert not ro.truncated.any()
+    keep = lengths < lengths.max()
+    kept = ro.select(keep)
+    assert kept.completion_mask.all(-1).any() and not kept.truncated.any()
+    cut = HFBackend(many_stops, tokenizer).generate(prompts, 4, 3, seed=1)    # 3 tokens: some run out
+    assert torch.equal(cut.truncated, ~torch.isin(cut.completion_ids, torch.tensor(many_stops.generation_config
+                                                                                    .eos_token_id)).any(-1))
+    assert cut.truncated.any()

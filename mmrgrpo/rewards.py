@@ -484,6 +484,7 @@ def _load_reward_func(name: str):
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 
+# %% ../nbs/10_rewards.ipynb #6b1d2e21
 IMPORT_NOTE_S = 5.0      # seconds into a reward module's import after which a line says what the run waits for
 
 def _import_within(module: str, name: str):
@@ -505,6 +506,7 @@ def _import_within(module: str, name: str):
     if e is not None: raise e                    # a KeyboardInterrupt raised by the module
     return mod
 
+# %% ../nbs/10_rewards.ipynb #6b1d2e23
 def get_reward_funcs(names: list[str], own_process: bool = False) -> list:
     "The reward functions for config names, built-in or 'package.module:function' (`own_process`: those in a process)."
     names = [names] if isinstance(names, str) else names

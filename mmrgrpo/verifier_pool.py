@@ -1,4 +1,4 @@
-"""The accuracy reward's worker processes at work: a hostile completion cut off, gold answers checked, 64 pairs timed.
+"""The accuracy reward's worker processes at work: a hostile completion cut off and its worker replaced, gold answers checked, one worker against two.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/verifier_pool.html.md"""
 

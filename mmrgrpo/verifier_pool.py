@@ -1,4 +1,4 @@
-"""The accuracy reward's worker processes at work: a hostile completion cut off and its worker replaced, gold answers checked, one worker against two.
+"""The verifier's worker processes at work: a hostile pair cut off, its worker replaced, one worker against two.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/verifier_pool.html.md"""
 

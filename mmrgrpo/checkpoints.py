@@ -99,6 +99,7 @@ def checkpoint_problem(d) -> str:
         if _sha256(p) != digest: return f"{name} does not match its SHA-256 in {MANIFEST} (altered or corrupted)"
     return None
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a02
 def not_all_files(d: Path) -> str:
     "What in folder `d` is not a regular file nor a folder (a named pipe, a device), in one phrase; None if nothing."
     for p in sorted(d.rglob("*")):          # a named pipe would hang whatever reads it, a device flood it: never opened
@@ -106,6 +107,7 @@ def not_all_files(d: Path) -> str:
             return f"{p.relative_to(d).as_posix()} is {kind}, not a file (the checkpoint was altered)"
     return None
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a03
 def latest_checkpoint(out, verify: bool = False) -> Path:
     "The newest complete checkpoint in `out` (None if none); with `verify`, the newest whose files match its manifest."
     for p in reversed(checkpoints(out)):
@@ -199,6 +201,7 @@ def checkpoint_bytes(out: Path, model, optimizer) -> int:
     optim_tensors = [t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in saved + optim_tensors)
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a04
 def save_failed(e: Exception, out: Path, name: str, model, optimizer, final: bool):
     "Report a failed write of checkpoint folder `name`, saying if the disk is full; warn, or raise if `final`."
     need, free, prev = checkpoint_bytes(out, model, optimizer), free_bytes(out), latest_checkpoint(out)
@@ -242,6 +245,7 @@ def check_adapter_names(ck: Path, model, weights: dict):
     raise CheckpointError(f"{adapter_file} does not match this model's adapter ({said}): "
                           "it was altered, or written for another model or adapter setting; use another checkpoint")
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a05
 def load_checkpoint(ck: Path, model, optimizer, scheduler, verify: bool = True) -> dict:
     "Restore weights, optimizer, scheduler and generators from checkpoint `ck`, and return its trainer state."
     ck = Path(ck)
@@ -297,6 +301,7 @@ def config_changes(ck: Path, c: GRPOConfig) -> dict:
     return {field: (saved.get(field, defaults[field]), value) for field, value in current.items()
             if saved.get(field, defaults[field]) != value}
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a06
 def resume_checkpoint(out: Path, c: GRPOConfig) -> Path:
     "The checkpoint `c.resume_from` names, if its files verify and `c` changes only `RESUMABLE` fields."
     if c.resume_from == "latest":
@@ -345,6 +350,7 @@ def best_record(out) -> dict:
         print(f"WARNING: ignoring {d}: {why}; the next evaluation replaces it", file=sys.stderr); return None
     return trainer_state(d).get("best")
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a07
 def _cannot_create(out: Path, why: str, where) -> str:
     "The message refusing an `output_dir` that cannot be created: `why`, an OS error's words, at the path `where`."
     return f"output_dir={str(out)!r} cannot be created ({why}: {where}): choose another output_dir"
@@ -357,6 +363,7 @@ def _make_output_dir(out: Path) -> list:
     except OSError as e: raise ConfigError(_cannot_create(out, e.strerror, e.filename)) from None
     return made
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a08
 def prepare_output_dir(out: Path, c: GRPOConfig, rank: int = 0) -> Path:
     "Ready `out` for run `c`, and return the checkpoint to resume from (None: a fresh run)."
     if rank == 0:                # first, what a stop in the middle of replacing `best-checkpoint` left set aside
@@ -436,6 +443,7 @@ def _take_lock(lock_file: Path):
         if _same_file(lock_file, fd): return fd
         os.close(fd)                                       # a run that just ended removed the file: lock the new one
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a0a
 @contextlib.contextmanager
 def output_dir_lock(out: Path, enabled: bool = True):
     "Hold `out` for one run: a second run there meanwhile is refused, naming the first."
@@ -485,6 +493,7 @@ def check_output_dir(out: Path):
     if links := [p for p in written if p.is_symlink()]:
         raise ConfigError(f"{links[0]} is a symbolic link: {refuse_link(links[0].name)}")
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a0c
 def check_resume_into(out: Path, ck: Path):
     "Refuse to resume checkpoint `ck` into `out` where `out` holds a run that `ck` is not part of."
     if not (ck / MANIFEST).is_file():
@@ -495,6 +504,7 @@ def check_resume_into(out: Path, ck: Path):
                           f"holds another run ({', '.join(p.name for p in previous)}): resume into {owner} "
                           f"(output_dir={str(owner)!r}) or into an empty output_dir")
 
+# %% ../nbs/42_checkpoints.ipynb #8d3f4a0d
 def check_no_later_checkpoints(out: Path, ck: Path):
     "Refuse to continue checkpoint `ck` in `out` where `out` holds a later `checkpoint-<step>`."
     step = checkpoint_step(ck)

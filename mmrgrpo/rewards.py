@@ -197,14 +197,10 @@ def _reward_column(func, name: str, prompts, completions, columns: dict, on_erro
         errors += 1
     return scores, errors
 
-# %% ../nbs/10_rewards.ipynb #e9704f66
-def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list,
-                    columns: dict[str, list], on_error: str = "raise",
-                    timeout: float = None,
-                    on_none: str = "exclude",   # every function None: "exclude" (NaN, as TRL) or "zero" (0)
-                   ) -> tuple["torch.Tensor", dict]:
-    "The weighted sum of the reward functions' scores, `(N,)` float32 (NaN where none scored), and their metrics."
-    import torch   # here, not at the top: the verifier processes import this module and need no torch
+# %% ../nbs/10_rewards.ipynb #6b1d2e0c
+def _check_reward_inputs(funcs: list, weights, prompts: list, completions: list, columns: dict, on_error: str,
+                         on_none: str) -> list:
+    "The reward weights (1.0 each when None), once every argument of `compute_rewards` is one it can use."
     if on_error not in ("raise", "zero"): raise ValueError(f"on_error={on_error!r}: use 'raise' or 'zero'")
     if on_none not in ("exclude", "zero"): raise ValueError(f"on_none={on_none!r}: use 'exclude' or 'zero'")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
@@ -215,14 +211,25 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
                    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight)]
     if bad_weights: raise ValueError(f"reward weights {bad_weights}: each weight must be a finite number")
     check_reward_columns(funcs, columns)
-    names = [reward_name(func) for func in funcs]
-    names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]   # namesakes kept apart
     for name, xs in (("prompts", prompts), ("completions", completions), *columns.items()):
         if isinstance(xs, (str, bytes)): raise TypeError(f"{name} is one string: pass a list, one entry per completion")
     wrong_lengths = {k: len(xs) for k, xs in {"prompts": prompts, **columns}.items() if len(xs) != len(completions)}
     if wrong_lengths:
         raise ValueError(f"{len(completions)} completions, but {wrong_lengths}: every list needs one entry "
                          "per completion")
+    return weights
+
+# %% ../nbs/10_rewards.ipynb #e9704f66
+def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, completions: list,
+                    columns: dict[str, list], on_error: str = "raise",
+                    timeout: float = None,
+                    on_none: str = "exclude",   # every function None: "exclude" (NaN, as TRL) or "zero" (0)
+                   ) -> tuple["torch.Tensor", dict]:
+    "The weighted sum of the reward functions' scores, `(N,)` float32 (NaN where none scored), and their metrics."
+    import torch   # here, not at the top: the verifier processes import this module and need no torch
+    weights = _check_reward_inputs(funcs, weights, prompts, completions, columns, on_error, on_none)
+    names = [reward_name(func) for func in funcs]
+    names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]   # namesakes kept apart
     before, n = reward_counters(), len(completions)
     total, metrics = torch.zeros(n, dtype=torch.float64), {}
     unscored = torch.ones(n, dtype=torch.bool)          # (N,) True while every function so far said None
@@ -241,6 +248,7 @@ def compute_rewards(funcs: list, weights: list[float] | None, prompts: list, com
     total = _in_float32(total, on_error, metrics)
     return (total.masked_fill(unscored, float("nan")) if on_none == "exclude" else total), metrics
 
+# %% ../nbs/10_rewards.ipynb #6b1d2e0f
 def _in_float32(total, on_error: str, metrics: dict):
     "The weighted sum in float32; a sum beyond its range is an error, or (on_error='zero') 0 and counted."
     overflow = (total.abs() > _F32_MAX).nonzero().flatten().tolist()
@@ -476,6 +484,7 @@ def _load_reward_func(name: str):
     if not callable(func): raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a function")
     return func
 
+# %% ../nbs/10_rewards.ipynb #6b1d2e21
 IMPORT_NOTE_S = 5.0      # seconds into a reward module's import after which a line says what the run waits for
 
 def _import_within(module: str, name: str):
@@ -497,6 +506,7 @@ def _import_within(module: str, name: str):
     if e is not None: raise e                    # a KeyboardInterrupt raised by the module
     return mod
 
+# %% ../nbs/10_rewards.ipynb #6b1d2e23
 def get_reward_funcs(names: list[str], own_process: bool = False) -> list:
     "The reward functions for config names, built-in or 'package.module:function' (`own_process`: those in a process)."
     names = [names] if isinstance(names, str) else names

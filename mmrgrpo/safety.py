@@ -53,6 +53,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         _check_expanded(node)
         return super().construct_document(node)
 
+# %% ../nbs/09_safety.ipynb #5a0e1c11
 MAX_YAML_VALUES, MAX_YAML_DEPTH = 100_000, 64     # a config holds tens of values, nested two deep
 
 class _TooBig(yaml.YAMLError):
@@ -128,6 +129,7 @@ def read_file_bytes(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -
                     "name the right file")
     return data
 
+# %% ../nbs/09_safety.ipynb #5a0e1c13
 def read_utf8(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> str:
     "The text of a regular file of at most `limit` bytes; an `error` for any other file or one that is not UTF-8."
     data = read_file_bytes(path, error, limit)
@@ -137,6 +139,7 @@ def read_utf8(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES) -> str:
         raise error(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}): "
                     "re-save it as UTF-8") from None
 
+# %% ../nbs/09_safety.ipynb #5a0e1c15
 def read_json(path: Path, error=ValueError, limit: int = MAX_FILE_BYTES):
     "The value in JSON file `path`, read as `read_utf8` reads it; an `error` for bad JSON or JSON nested too deep."
     text = read_utf8(path, error, limit)

@@ -1,4 +1,4 @@
-"""The accuracy reward's worker processes at work: a hostile completion cut off, gold answers checked, 64 pairs timed.
+"""The verifier's worker processes at work: a hostile pair cut off, its worker replaced, one worker against two.
 
 Docs: https://mmrgrpo.github.io/mmrgrpo/verifier_pool.html.md"""
 

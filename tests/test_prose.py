@@ -27,6 +27,9 @@ LESSONS = {lesson(p): p for p in NOTEBOOKS}
 # Numbers in prose that are no output: lesson -> {the number as written: why}
 NOT_OUTPUTS = {
     "one_step": {"0.2": "the clip range in the loss's formula (1 - 0.2, 1 + 0.2): a setting"},
+    "config_reference": {"8.0": "the compute capability from which GPUs run bfloat16: a hardware threshold",
+                         "0.2": "top_entropy_quantile: 0.2 and keep_ratio: 0.2, settings the prose spells out"},
+    "config": {"1.16": "the version of TRL whose defaults the prose compares with ours: a version number"},
     "step": {"2.0": "the config's importance-weight cap with vLLM: a setting",
              "8.0": "the compute capability below which GPUs autocast in float16: a hardware threshold"},
 }

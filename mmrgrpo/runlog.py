@@ -124,7 +124,7 @@ def _finite_or_none(v):
 
 # %% ../nbs/40_runlog.ipynb #a40r0001
 def open_sinks(backends, folder: Path, config: dict = None) -> tuple:
-    "The sinks besides metrics.jsonl that `backends` name (TensorBoard, wandb, trackio), and what they made in `folder`."
+    "The sinks besides metrics.jsonl that `backends` name (TensorBoard, wandb, trackio) and what they made in `folder`."
     sinks, created = {}, []
     if "tensorboard" in backends:
         from torch.utils.tensorboard import SummaryWriter

@@ -41,7 +41,7 @@ ELSEWHERE = {
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
     ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
     ("sampling", "af961d5c"): "the evaluation prefill's memory, from BENCHMARKS_HISTORY.md section 7",
-    ("sampling", "5b1f0c2e"): "the decode loops' times, from bench/results/generation.json (BENCHMARKS_HISTORY.md section 0)",
+    ("sampling", "5b1f0c2e"): "the decode loops' times, from bench/results/generation.json (BENCHMARKS_HISTORY.md 0)",
     ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS_HISTORY.md reports it",
 }
 # Markdown cells that also quote the outputs of a cell further away: (lesson, markdown cell id) -> code cell ids

@@ -226,6 +226,7 @@ def _big(n: int) -> str:
     "A huge integer, quoted by its size: printing it whole would fill a screen (or refuse, past 4300 digits)."
     return f"an integer of about {int(abs(n).bit_length() * 0.30103) + 1} digits"
 
+# %% ../nbs/12_config.ipynb #a12c0002
 def _check_type(name, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -359,6 +360,7 @@ def _check_methods(c: GRPOConfig, need):
                        "the learning rate never reaches learning_rate")):
         if idle: warnings.warn(why, stacklevel=4)
 
+# %% ../nbs/12_config.ipynb #a12c0004
 def _check_loss(c: GRPOConfig, need):
     "The loss: KL weight, clip range, two-sided clipping, the ratio's level, the sampler correction's mode."
     need(c.beta_ >= 0, f"beta={c.beta}: must be >= 0")
@@ -474,6 +476,7 @@ def _check_ranges(c: GRPOConfig, need):
         need(0 <= c.num_shots <= n, f"num_shots={c.num_shots}: there are {n} built-in worked examples for "
              f"{task_family(t)} tasks ({t!r}): use 0 to {n}")
 
+# %% ../nbs/12_config.ipynb #a12c0006
 MAX_CHARS_PER_TOKEN = 64     # more than any tokenizer's longest token; a longer text cannot fit, whatever its tokens
 
 LIMITS = dict(num_generations=1024, prompts_per_step=4096, max_completion_length=131072, max_prompt_length=131072,
@@ -492,6 +495,7 @@ def _check_sizes(c: GRPOConfig, need):
          f"{len(c.system_prompt):,} characters: no prompt holding it fits in max_prompt_length={c.max_prompt_length} "
          "tokens; shorten it or raise max_prompt_length")
 
+# %% ../nbs/12_config.ipynb #a12c0007
 def _check_reward_funcs(c: GRPOConfig):
     "Import the reward functions before any model loads (a 'package.module:function' entry runs that module's code)."
     from mmrgrpo.rewards import get_reward_funcs, num_workers

@@ -49,6 +49,7 @@ def launched_world_size(env=os.environ) -> int:
             raise ConfigError(f"{k}={value!r} with WORLD_SIZE={world}: a rank is a number from 0 to {world - 1}; {fix}")
     return world
 
+# %% ../nbs/40a_distributed.ipynb #a40a0001
 def init_distributed():
     "Join the process group that `torchrun` or `accelerate launch` describe in the environment, if they do."
     import torch.distributed as dist

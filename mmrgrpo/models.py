@@ -317,6 +317,7 @@ def policy_tokenizer(c: GRPOConfig):
     check_chat_template(tok, c.model)
     return tok
 
+# %% ../nbs/13_models.ipynb #a13c0005
 def add_lora(model, c: GRPOConfig):
     "Wrap `model` in a peft LoRA adapter as the config says."
     from peft import LoraConfig, get_peft_model
@@ -336,6 +337,7 @@ def add_lora(model, c: GRPOConfig):
         return get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                                                 target_modules=targets, task_type="CAUSAL_LM"))
 
+# %% ../nbs/13_models.ipynb #a13c0006
 def check_context(c: GRPOConfig, model_config):
     "A prompt plus completion must fit the model's context window, and a LoRA rank its width."
     width = getattr(model_config, "hidden_size", None)
@@ -377,6 +379,7 @@ def check_weights(model_name: str, path: str):
                           "(model.safetensors or pytorch_model.bin): "
                           "point at a folder that save_pretrained wrote whole, or at a .gguf file")
 
+# %% ../nbs/13_models.ipynb #a13c0007
 def load_policy(c: GRPOConfig, device: str = None, tokenizer=None):
     "Load (model, tokenizer) for the config: base weights (optionally 4-bit), then a LoRA adapter if `c.lora`."
     # tokenizer: the one `policy_tokenizer(c)` gave, not loaded again

@@ -6,7 +6,7 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/runlog.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_METRICS_BYTES', 'RSSSampler', 'rss_sampler', 'process_peak_rss_mb', 'Phases', 'MetricsWriteError', 'unwritable',
-           'MetricsLogger', 'read_metrics']
+           'open_sinks', 'MetricsLogger', 'read_metrics']
 
 # %% ../nbs/40_runlog.ipynb #b585e2eb
 import contextlib, errno, json, math, os, sys, threading, time
@@ -122,6 +122,23 @@ def _finite_or_none(v):
     if isinstance(v, dict): return {k: _finite_or_none(x) for k, x in v.items()}
     return v
 
+# %% ../nbs/40_runlog.ipynb #a40r0001
+def open_sinks(backends, folder: Path, config: dict = None) -> tuple:
+    "The sinks besides metrics.jsonl that `backends` name (TensorBoard, wandb, trackio) and what they made in `folder`."
+    sinks, created = {}, []
+    if "tensorboard" in backends:
+        from torch.utils.tensorboard import SummaryWriter
+        board = folder / "tensorboard"
+        there = set(board.iterdir()) if board.is_dir() else None
+        sinks["tensorboard"] = SummaryWriter(str(board))          # its event file is created here
+        created = ["tensorboard"] * (there is None) + [f"tensorboard/{p.name}" for p in board.iterdir()
+                                                       if p not in (there or ())]
+    if "wandb" in backends:
+        import wandb; sinks["wandb"] = wandb.init(project="mmrgrpo", config=config)
+    if "trackio" in backends:
+        import trackio; trackio.init(project="mmrgrpo", config=config); sinks["trackio"] = trackio
+    return sinks, created
+
 # %% ../nbs/40_runlog.ipynb #f29831a9
 class MetricsLogger:
     "Writes each step's metrics to metrics.jsonl, one strict-JSON line, and to TensorBoard, trackio or wandb if asked."
@@ -139,17 +156,7 @@ class MetricsLogger:
         elif resume_step is None and self.path.exists(): self.path.unlink()
         # O_NOFOLLOW: never through a link
         self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
-        if "tensorboard" in backends:
-            from torch.utils.tensorboard import SummaryWriter
-            board = Path(out) / "tensorboard"
-            there = set(board.iterdir()) if board.is_dir() else None
-            self.sinks["tensorboard"] = SummaryWriter(str(board))          # its event file is created here
-            self.created = ["tensorboard"] * (there is None) + [f"tensorboard/{p.name}" for p in board.iterdir()
-                                                                if p not in (there or ())]
-        if "wandb" in backends:
-            import wandb; self.sinks["wandb"] = wandb.init(project="mmrgrpo", config=config)
-        if "trackio" in backends:
-            import trackio; trackio.init(project="mmrgrpo", config=config); self.sinks["trackio"] = trackio
+        self.sinks, self.created = open_sinks(backends, Path(out), config)
 
     def log(self, metrics: dict, step: int):
         if not self.enabled: return

@@ -270,6 +270,7 @@ class HFBackend(DecodeLoops):
     @torch.no_grad()
     def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0,
                  greedy=False) -> Rollout:
+        "`num_generations` completions of each prompt in one batch, drawn under `seed` (or greedy), group by group."
         enc = self.tokenize(prompts)
         device = next(self.model.parameters()).device
         p_ids = enc.input_ids.repeat_interleave(num_generations, 0).to(device)

@@ -54,6 +54,7 @@ def by_rank(found) -> tuple:
         unique.setdefault(s.name, s)
     return tuple(sorted(unique.values(), key=lambda s: (s.rank, s.name)))
 
+# %% ../nbs/40b_speedups.ipynb #a40b0001
 def declared_entry_points(pyproject: str, group: str = ENTRY_POINTS) -> list:
     "The entry points of `group` that the text of a `pyproject.toml` declares (one `name = \"module:object\"` a line)."
     head = f'[project.entry-points."{group}"]'
@@ -70,6 +71,7 @@ def entry_points(group: str = ENTRY_POINTS) -> list:
         for ep in declared_entry_points(pyproject.read_text(encoding="utf-8"), group): by_value.setdefault(ep.value, ep)
     return list(by_value.values())
 
+# %% ../nbs/40b_speedups.ipynb #a40b0002
 def load_speedups(group: str = ENTRY_POINTS) -> tuple:
     "The `Speedup`s registered under the entry-point `group` (`entry_points`), lowest rank first."
     found = []
@@ -84,6 +86,7 @@ def installed_speedups() -> tuple:
     "The installed speed-ups, read once per process (installed packages do not change while it runs)."
     return load_speedups()
 
+# %% ../nbs/40b_speedups.ipynb #a40b0003
 # the sets of speed-ups the open `use_speedups` chose, innermost last: a context variable, so that each thread and
 # asyncio task has its own choice (the hooks are looked up deep inside a run, which is handed no reference to it)
 _CHOSEN = contextvars.ContextVar("mmrgrpo_speedups", default=())

@@ -154,6 +154,7 @@ def machine_memory(device) -> tuple:
     except (OSError, ValueError): limit = total             # 'max', or no cgroup v2
     return min(total, limit), min(available, limit)
 
+# %% ../nbs/41_step.ipynb #a41s0001
 def _bytes(tensors) -> int: return sum(t.numel() * t.element_size() for t in tensors)
 
 def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt_tokens: int = 0) -> dict:
@@ -178,6 +179,7 @@ def estimate_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), prompt
     parts["certain"] = parts["weights"] + parts["optimizer"] + n_rows * T * kv_row
     return {**parts, "rows": n_rows, "micro_batch_rows": mb, "bytes_per_activation": a}
 
+# %% ../nbs/41_step.ipynb #a41s0002
 def _gib(nbytes: int) -> str: return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: bool = True,
@@ -201,7 +203,6 @@ def check_step_memory(model, c: GRPOConfig, world: int = 1, copies=(), warn: boo
               f"micro-batch) and {_gib(available)} is available: lower micro_batch_size, max_completion_length or "
               "num_generations, or turn on gradient_checkpointing", file=sys.stderr)
     return est
-
 
 # %% ../nbs/41_step.ipynb #6d1f3a8e
 def importance_cap(c: GRPOConfig, rollout: Rollout) -> float:

@@ -27,6 +27,9 @@ LESSONS = {lesson(p): p for p in NOTEBOOKS}
 # Numbers in prose that are no output: lesson -> {the number as written: why}
 NOT_OUTPUTS = {
     "one_step": {"0.2": "the clip range in the loss's formula (1 - 0.2, 1 + 0.2): a setting"},
+    "config_reference": {"8.0": "the compute capability from which GPUs run bfloat16: a hardware threshold",
+                         "0.2": "top_entropy_quantile: 0.2 and keep_ratio: 0.2, settings the prose spells out"},
+    "config": {"1.16": "the version of TRL whose defaults the prose compares with ours: a version number"},
     "step": {"2.0": "the config's importance-weight cap with vLLM: a setting",
              "8.0": "the compute capability below which GPUs autocast in float16: a hardware threshold"},
 }
@@ -37,6 +40,8 @@ ELSEWHERE = {
     ("fused_decode", "66b4fc94"): "one decode step, from bench/results/decode_step.json",
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
     ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
+    ("sampling", "af961d5c"): "the evaluation prefill's memory, from BENCHMARKS_HISTORY.md section 7",
+    ("sampling", "5b1f0c2e"): "the decode loops' times, from bench/results/generation.json (BENCHMARKS_HISTORY.md 0)",
     ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS_HISTORY.md reports it",
 }
 # Markdown cells that also quote the outputs of a cell further away: (lesson, markdown cell id) -> code cell ids

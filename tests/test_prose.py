@@ -38,6 +38,7 @@ ELSEWHERE = {
     ("fused_decode", "66b4fc94"): "one decode step, from bench/results/decode_step.json",
     ("matmul_attention", "2caa600f"): "the update with and without it, from BENCHMARKS_HISTORY.md section 8",
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
+    ("bf16_update", "ad6606a5"): "the three arms' update times, from bench/results/compute_efficiency_amd.json",
     ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
     ("step", "c9804b2b"): "micro-batch sizes' time, from bench/overheads.py as BENCHMARKS_HISTORY.md reports it",
 }

@@ -692,5 +692,6 @@ d = { 'settings': { 'branch': 'main',
                                       'mmrgrpo.vllm_backend.torch_threads_kept': ( 'vllm.html#torch_threads_kept',
                                                                                    'mmrgrpo/vllm_backend.py'),
                                       'mmrgrpo.vllm_backend.vllm_dtype': ('vllm.html#vllm_dtype', 'mmrgrpo/vllm_backend.py'),
+                                      'mmrgrpo.vllm_backend.vllm_lora_rank': ('vllm.html#vllm_lora_rank', 'mmrgrpo/vllm_backend.py'),
                                       'mmrgrpo.vllm_backend.vllm_sampler': ('vllm.html#vllm_sampler', 'mmrgrpo/vllm_backend.py'),
                                       'mmrgrpo.vllm_backend.vllm_status': ('vllm.html#vllm_status', 'mmrgrpo/vllm_backend.py')}}}

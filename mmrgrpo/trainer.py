@@ -62,6 +62,8 @@ class StepResult:
     rewards: torch.Tensor
     advantages: torch.Tensor
 
+
+# %% ../nbs/44_trainer.ipynb #76af3ac2
 def train_step(c: GRPOConfig, tools: StepTools, records: list, seed: int, counter: dict = None) -> StepResult:
     "One GRPO step on the tasks in `records`: sample, reward, reweight and advantages, prune, update."
     device = next(tools.model.parameters()).device
@@ -302,6 +304,8 @@ def eval_after_training(run: Run, stop_after: int = None) -> dict:
     keep_if_best(run, run.c.steps, metrics)
     return metrics
 
+
+# %% ../nbs/44_trainer.ipynb #946c7c2d
 def _train(c, model, tokenizer, progress, stop_after, rank, world, out, checkpoint, stop) -> TrainResult:
     "`train` in an output folder it holds and has prepared, resuming from `checkpoint` (None: from scratch)."
     torch.manual_seed(c.seed); random.seed(c.seed); np.random.seed(c.seed)
@@ -355,6 +359,8 @@ def load_run_data(c: GRPOConfig) -> RunData:
     else: eval_tasks, eval_skipped = [], 0
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
 
+
+# %% ../nbs/44_trainer.ipynb #9ebc2439
 def check_held_out(c: GRPOConfig, train_tasks, eval_tasks: list):
     "Refuse held-out rows that are all training rows (by their questions), and warn, with the count, where some are."
     if not (isinstance(train_tasks, list) and eval_tasks): return
@@ -376,6 +382,8 @@ def same_file(a: str, b: str) -> bool:
     try: return os.path.samefile(a, b)
     except OSError: return a.resolve() == b.resolve()
 
+
+# %% ../nbs/44_trainer.ipynb #6675b2f9
 def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
     "Drop (skip_bad_rows) or refuse prompts longer than `max_prompt_length`, and build the held-out prompts."
     train_tasks, dropped = fit_prompts(tokenizer, c, data.train_tasks, c.task)
@@ -440,9 +448,11 @@ def set_up_run(c: GRPOConfig, model, tokenizer, rank: int, world: int, stop: Sto
     sampler = f"a merged copy in {str(copy_dtype).removeprefix('torch.')}" if copy_dtype is not None else "the policy"
     if getattr(tools.backend, "sampler_note", None): sampler += f" ({tools.backend.sampler_note})"
     if rank == 0: print(f"precision: {precision.describe()}; base {speed['precision/base']}; sampling from {sampler}"
-                        + ("" if speedups() else "; no speed-ups installed (plain GRPO)"))
+                        + ("" if speedups() else "; no speed-ups (plain GRPO)"))
     return data, tools, {**precision.metrics(), "precision/sampler": sampler, **speed}
 
+
+# %% ../nbs/44_trainer.ipynb #eadccec1
 def reward_columns(tasks) -> set:
     "The data columns the reward functions are called with: every field of the training rows but the question."
     rows = tasks if isinstance(tasks, list) else tasks_for_step(tasks, 0, 1)       # an endless stream: its first row

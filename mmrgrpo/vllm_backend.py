@@ -6,9 +6,10 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/vllm.html.md"""
 
 # %% auto #0
 __all__ = ['VLLM_LORA_RANKS', 'VLLM_MAX_BATCHED_TOKENS', 'CPU_KV_BLOCK', 'SPEEDUP', 'request_seeds', 'rollout_from_token_ids',
-           'sampled_logprobs', 'outputs_to_lists', 'engine_device', 'vllm_dtype', 'sleep_mode', 'kv_cache_bytes',
-           'engine_kwargs', 'model_source', 'cpu_build', 'vllm_status', 'torch_threads_kept', 'engine_fits',
-           'shared_engine', 'close_engine', 'prompt_logprobs', 'VLLMBackend', 'logprob_gap', 'vllm_sampler']
+           'sampled_logprobs', 'outputs_to_lists', 'engine_device', 'vllm_dtype', 'sleep_mode', 'vllm_lora_rank',
+           'kv_cache_bytes', 'engine_kwargs', 'model_source', 'cpu_build', 'vllm_status', 'torch_threads_kept',
+           'engine_fits', 'shared_engine', 'close_engine', 'prompt_logprobs', 'VLLMBackend', 'logprob_gap',
+           'vllm_sampler']
 
 # %% ../nbs/64_vllm.ipynb #bdc096e9
 import atexit, contextlib, gc, importlib.util, os, shutil, tempfile, weakref
@@ -105,6 +106,15 @@ def sleep_mode(c: GRPOConfig, device: str = "cuda") -> bool:
                           "or set it false")
     return device == "cuda" if c.vllm_sleep is None else c.vllm_sleep
 
+
+# %% ../nbs/64_vllm.ipynb #c40718fa
+def vllm_lora_rank(c: GRPOConfig) -> int:
+    "The `max_lora_rank` vLLM is given: `lora_r` rounded up to a rank vLLM serves (a ConfigError above them all)."
+    if c.lora_r > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"lora_r={c.lora_r} with generation_backend=vllm: vLLM serves LoRA ranks up to "
+                          f"{VLLM_LORA_RANKS[-1]}; use lora_r <= {VLLM_LORA_RANKS[-1]}, or generation_backend=hf")
+    return next(r for r in VLLM_LORA_RANKS if r >= c.lora_r)
+
 def kv_cache_bytes(c: GRPOConfig, model_config, dtype: str, world: int = 1, prefix_caching: bool = True) -> int:
     "KV-cache bytes a CPU engine reserves for one step's requests, a group's prompt counted once, plus a quarter."
     heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
@@ -118,6 +128,8 @@ def kv_cache_bytes(c: GRPOConfig, model_config, dtype: str, world: int = 1, pref
     n_tokens = max(n_tokens, context + CPU_KV_BLOCK)          # vLLM refuses a cache that cannot hold one whole request
     return -(-n_tokens * bytes_per_token * 5 // 4 // 2**20) * 2**20      # whole MiB
 
+
+# %% ../nbs/64_vllm.ipynb #f7322dab
 def engine_kwargs(c: GRPOConfig, model_path: str, lora: bool, rank: int = 0, world: int = 1, bf16: bool = None,
                   prefix_caching: bool = True, device: str = "cuda", model_config=None) -> dict:
     "Arguments of `vllm.LLM` for a colocated engine on `device` that serves `model_path` as the config says."
@@ -132,11 +144,7 @@ def engine_kwargs(c: GRPOConfig, model_path: str, lora: bool, rank: int = 0, wor
         kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(VLLM_MAX_BATCHED_TOKENS, context))
         if model_config is not None:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(c, model_config, kw["dtype"], world, prefix_caching)
-    if lora:
-        if c.lora_r > VLLM_LORA_RANKS[-1]:
-            raise ConfigError(f"lora_r={c.lora_r} with generation_backend=vllm: vLLM serves LoRA ranks up to "
-                              f"{VLLM_LORA_RANKS[-1]}; use lora_r <= {VLLM_LORA_RANKS[-1]}, or generation_backend=hf")
-        kw.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= c.lora_r))
+    if lora: kw.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(c))
     if world > 1: kw["distributed_executor_backend"] = "external_launcher"
     return kw
 
@@ -351,6 +359,7 @@ class VLLMBackend(_ColocatedEngine):
 
     def generate(self, prompts, num_generations, max_new_tokens, temperature=1.0, top_p=1.0, seed=0,
                  greedy=False) -> Rollout:
+        "One seeded request per completion; vLLM's answers as a `Rollout` in `HFBackend`'s layout, log-probs attached."
         from vllm import SamplingParams
         enc = self.tokenize(prompts)
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(enc.input_ids, enc.attention_mask)]

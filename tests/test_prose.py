@@ -37,8 +37,11 @@ NOT_OUTPUTS = {
 # (lesson, cell id) -> why
 ELSEWHERE = {
     ("sampler_copy", "efe362ee"): "the generation benchmark at c1d5ab7 (generation.json as of 2996c64)",
+    ("kvcache", "6273341e"): "the room's effect on decoding, from bench/results/generation_kvcache_room*.json",
     ("fused_decode", "66b4fc94"): "one decode step, from bench/results/decode_step.json",
+    ("matmul_attention", "2caa600f"): "the update with and without it, from BENCHMARKS_HISTORY.md section 8",
     ("bf16_update", "3ded8f59"): "the input casts' cost, from compute_efficiency_amd_input_casts.json",
+    ("bf16_update", "ad6606a5"): "the three arms' update times, from bench/results/compute_efficiency_amd.json",
     ("bf16_update", "65eb98cb"): "the micro-batch table, from bench/results/overheads.json and overheads_auto.json",
     ("sampling", "af961d5c"): "the evaluation prefill's memory, from BENCHMARKS_HISTORY.md section 7",
     ("sampling", "5b1f0c2e"): "the decode loops' times, from bench/results/generation.json (BENCHMARKS_HISTORY.md 0)",

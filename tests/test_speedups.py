@@ -72,7 +72,7 @@ def test_a_run_with_no_speedup_is_plain_grpo_and_says_so(tmp_path, capsys):
         assert type(res.backend) is HFBackend and res.backend.cache_room is None
         with pytest.raises(Exception, match="generation_backend=vllm: no installed speed-up serves it"):
             make_backend(dataclasses.replace(c, generation_backend="vllm"), res.model, res.tokenizer)
-    assert "sampling from the policy; no speed-ups installed (plain GRPO)" in capsys.readouterr().out
+    assert "sampling from the policy; no speed-ups (plain GRPO)" in capsys.readouterr().out
     first = res.metrics[0]
     assert (first["precision/base"] == "float32" and "allocator/keep_freed" not in first
             and "update/attention" not in first)

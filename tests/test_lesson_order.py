@@ -303,7 +303,6 @@ def appendix_problems(cells: list, after_registry: bool) -> list:
 
 # Places on the main path that name an appendix feature today: notebook -> cells; each owner fixes and deletes its line
 KNOWN_APPENDIX = {
-    "04_logprobs": "ec94aa19 (G1)",
     "12_config": "b12d255a, e93feb73, f1e2d3c0, ec528311 (G3)",
     "13_models": "24e41731 (G3)",
     "15_sampling": "afd7bdca, 74d13709, af961d5c, 5b1f0c2e (G3)",

@@ -308,8 +308,6 @@ KNOWN_APPENDIX = {
     "15_sampling": "afd7bdca, 74d13709, af961d5c, 5b1f0c2e (G3)",
     "40a_distributed": "f5d2a7c1 (G3)",
     "44_trainer": "outputs of dcac4ac2, e1a0c0d2 (G4)",
-    "45_cli": "output of b3667555 (G1)",
-    "50_reliability": "output of 6bf1ebc6 (G1)",
 }
 
 

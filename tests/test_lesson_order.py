@@ -187,10 +187,14 @@ def test_the_core_comes_before_the_parts():
 SKIP_MARK = "Skip on first reading"
 
 
+NAME = r"`\d+[a-z]?_\w+`"
+
+
 def fast_track(readme: str) -> list:
-    "The backticked notebook names of the README's `### Fast track` paragraph, in the order it gives them ([] if none)."
+    "The notebooks of the first chain `a` -> `b` -> ... under the README's `### Fast track` heading ([] if none)."
     m = re.search(r"^### Fast track\n(.*?)(?=^#)", readme + "\n#", re.M | re.S)
-    return re.findall(r"`(\d+[a-z]?_\w+)`", m.group(1)) if m else []
+    chain = re.search(rf"{NAME}(?:\s*(?:->|→)\s*{NAME})+", m.group(1)) if m else None
+    return re.findall(r"`(\d+[a-z]?_\w+)`", chain.group(0)) if chain else []
 
 
 def markdown_cells(path: Path) -> list:
@@ -228,7 +232,8 @@ def test_the_fast_track_is_checked():
     assert fast_track_problems(["03_c", "01_a", "09_d"], path, opening)[:2] == [
         "not in lesson order: ['03_c', '01_a', '09_d']", "does not start with the first lesson ['01_a']: ['03_c']"]
     assert fast_track_problems(["01_a", "02_b", "07_x"], path, opening) == ["no such lesson: 07_x"]
-    assert fast_track(f"## N\n\n### Fast track\n`01_a` -> `03_c`, then `19_e`.\n\n### Next\n`09_d`") == track
+    readme = "## N\n\n### Fast track\n`01_a` -> `03_c` ->\n`19_e`, then the demo; second reading: `02_b`.\n\n### Next\n`09_d`"
+    assert fast_track(readme) == track and fast_track("## N\n`01_a` -> `03_c`") == []
 
 
 # Places of today's lessons that the fast-track check reports, each with who fixes it: cleared at the merge of issue 57

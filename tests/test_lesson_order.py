@@ -232,7 +232,8 @@ def test_the_fast_track_is_checked():
     assert fast_track_problems(["03_c", "01_a", "09_d"], path, opening)[:2] == [
         "not in lesson order: ['03_c', '01_a', '09_d']", "does not start with the first lesson ['01_a']: ['03_c']"]
     assert fast_track_problems(["01_a", "02_b", "07_x"], path, opening) == ["no such lesson: 07_x"]
-    readme = "## N\n\n### Fast track\n`01_a` -> `03_c` ->\n`19_e`, then the demo; second reading: `02_b`.\n\n### Next\n`09_d`"
+    readme = ("## N\n\n### Fast track\n`01_a` -> `03_c` ->\n`19_e`, then the demo; second reading: `02_b`.\n\n"
+              "### Next\n`09_d`")
     assert fast_track(readme) == track and fast_track("## N\n`01_a` -> `03_c`") == []
 
 

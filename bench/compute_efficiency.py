@@ -15,7 +15,7 @@ config's):
 - `fp32, matmul attention`: and the packed passes' masked attention in plain matmuls (`update_attention=matmul`; "auto"
   leaves fp32 on torch's fused kernel, 62a_matmul_attention);
 - `bf16 autocast, plain head`: bf16 autocast, padded rows, the head's log-probs by autograd through a checkpointed chunk
-  (17a_logprobs);
+  (04_logprobs);
 - `bf16 autocast`: the head in closed form (`fused_head`, 62_fast_update);
 - `bf16 base`: and the frozen base stored in bf16 (`bf16_base`, 62b_bf16_update);
 - `bf16 base, auto passes`: and the automatic micro-batch size for bf16 (`micro_batch_positions`, 62b_bf16_update);

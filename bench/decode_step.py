@@ -43,7 +43,7 @@ def decoder_for(arm, model, dtype):
     from mmrgrpo import fused_decode as fd
     from mmrgrpo.kvcache import reserve_cache
     from mmrgrpo.sampler_copy import merged_copy
-    from mmrgrpo.sampling import cache_kwarg, output_cache
+    from mmrgrpo.logprobs import cache_kwarg, output_cache
     if arm.startswith("fused"):
         copy = merged_copy(model, dtype)
         if arm.endswith("-plain"):

@@ -43,7 +43,7 @@ def title(path: Path) -> str:
 
 
 def nav_label(path: Path) -> str:
-    "A lesson's number and title in the navigation: `17a Log-probs in bounded memory`."
+    "A lesson's number and title in the navigation: `04 Log-probs in bounded memory`."
     number = re.match(r"^(\d+[a-z]?)_", path.stem)
     return f"{number.group(1)} {title(path)}" if number else title(path)
 
@@ -56,6 +56,18 @@ def site_pages(root: Path) -> list:
     return pages + [(p.name, p) for p in sorted(root.glob("*.md")) if p.name != "README.md"]
 
 
+# the parts of the lesson order: (first lesson number of the part, its name in the navigation)
+PARTS = ((1, "1. GRPO's core"), (9, "2. The parts of a step"), (20, "3. The methods"), (40, "4. The trainer"),
+         (60, "Appendix: speed and scale"))
+
+
+def part_of(stem: str, parts=PARTS) -> str:
+    "The part a top-level lesson belongs to, by its leading number (`20a_diversity` is in 20's part)."
+    number = re.match(r"^(\d+)", stem)
+    names = [name for first, name in parts if number and int(number.group(1)) >= first]
+    return names[-1] if names else "Lessons"
+
+
 def on_config(config):
     root = repo_root(config)
     pages = site_pages(root)
@@ -64,7 +76,7 @@ def on_config(config):
     sections = {}
     for uri, path in lessons:
         folder = path.parent.relative_to(root / "nbs").as_posix()
-        sections.setdefault("Lessons" if folder == "." else folder.replace("_", " ").capitalize(), []).append(
+        sections.setdefault(part_of(path.stem) if folder == "." else folder.replace("_", " ").capitalize(), []).append(
             {nav_label(path): uri})
     nav += [{name: items} for name, items in sections.items()]
     reference = [{path.name: uri} for uri, path in pages if path.suffix == ".md"]   # named as the lessons cite them

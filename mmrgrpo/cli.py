@@ -92,6 +92,7 @@ def main(argv=None):
         print("error: " + "; ".join(l.strip() for l in said if l.strip()), file=sys.stderr); return 2
     except KeyboardInterrupt as e: return interrupted(e)
 
+# %% ../nbs/45_cli.ipynb #85692b87
 EXIT_GRACE_S = 10.0    # seconds the ended command waits for threads it did not start (a reward function's)
 
 def entry():
@@ -110,6 +111,7 @@ def exit_if_held(code: int):
         with contextlib.suppress(Exception): stream.flush()
     os._exit(code)
 
+# %% ../nbs/45_cli.ipynb #08b3f146
 def run_command(args) -> int:
     "Run `mmrgrpo train`, `eval` or `demo` with parsed arguments."
     overrides = protect_named_folder(args.overrides) if args.command != "eval" else args.overrides

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 from .logprobs import token_stats
-from .sampling import cache_kwarg, decoder_of, output_cache
+from .logprobs import cache_kwarg, decoder_of, output_cache
 from .advantages import as_group_ids, group_runs
 from .fused_decode import shared_prefix
 from .logprobs import completion_stats

@@ -9,7 +9,7 @@ __all__ = ['SPEEDUP', 'reserve_cache']
 
 # %% ../nbs/60_kvcache.ipynb #fb8b4d27
 import torch
-from .sampling import cache_kwarg, output_cache    # re-exported: older code imports them from here
+from .logprobs import cache_kwarg, output_cache    # re-exported: older code imports them from here
 from .speedups import Speedup
 
 # %% ../nbs/60_kvcache.ipynb #2edae46d

@@ -6,15 +6,15 @@ Docs: https://mmrgrpo.github.io/mmrgrpo/sampling.html.md"""
 
 # %% auto #0
 __all__ = ['Rollout', 'completion_mask', 'truncated_rows', 'stop_token_ids', 'GenerationBackend', 'last_step', 'sample_tokens',
-           'InverseCDFSampler', 'decoder_of', 'cache_kwarg', 'output_cache', 'StepAbandoned', 'DecodeLoops',
-           'prompt_rows', 'HFBackend']
+           'InverseCDFSampler', 'StepAbandoned', 'DecodeLoops', 'prompt_rows', 'HFBackend']
 
 # %% ../nbs/15_sampling.ipynb #3e34fd79
-import dataclasses, inspect
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 from transformers import LogitsProcessorList
+from .logprobs import cache_kwarg, decoder_of, output_cache
 
 # %% ../nbs/15_sampling.ipynb #eefe1788
 @dataclass
@@ -143,22 +143,6 @@ class InverseCDFSampler:
     def __call__(self, input_ids, scores):
         tok = sample_tokens(scores, self.temperature, self.top_p)
         return torch.full_like(scores, float("-inf")).scatter_(-1, tok[:, None], 0.0)
-
-# %% ../nbs/15_sampling.ipynb #efe7daa3
-def decoder_of(model):
-    "The model without its output head: its `get_decoder()`, or its base model where that answers None."
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if body is None:      # transformers 4.56 asks the decoder itself for a decoder, which has none
-        body = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model
-    return body
-
-def cache_kwarg(model) -> str:
-    "The name under which this transformers version takes a KV cache (`cache` since 5.x, `past_key_values` before)."
-    return "cache" if "cache" in inspect.signature(decoder_of(model).forward).parameters else "past_key_values"
-
-def output_cache(out):
-    "The KV cache a forward pass returned, under either name."
-    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 # %% ../nbs/15_sampling.ipynb #d9e68bd4
 class StepAbandoned(Exception):

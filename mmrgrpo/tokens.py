@@ -22,7 +22,7 @@ def policy_grad_coef(logp: torch.Tensor,               # (N, T) current policy l
                      beta: float = 0.0,                # KL coefficient
                      eps_low: float = 0.2, eps_high: float = 0.2,  # clip range of the ratio
                      delta: float = None,              # two-sided clipping's cap on the ratio (None: off)
-                     use_bias_correction_kl: bool = False,  # the KL term is r·k3 (17_loss)
+                     use_bias_correction_kl: bool = False,  # the KL term is r·k3 (03_loss)
                     ) -> torch.Tensor:                 # (N, T) c_t = -dL_t/dlogp_t, detached
     "Minus the derivative of each token's loss with respect to its log-prob: I_t r_t A + β (exp(logp_ref - logp) - 1)."
     logp, logp_old = logp.detach().float(), logp_old.detach().float()

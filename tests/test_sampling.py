@@ -4,7 +4,8 @@ leave the batch."""
 import inspect
 import pytest, torch
 from mmrgrpo.kvcache import reserve_cache
-from mmrgrpo.sampling import GenerationBackend, HFBackend, cache_kwarg, output_cache
+from mmrgrpo.logprobs import cache_kwarg, output_cache
+from mmrgrpo.sampling import GenerationBackend, HFBackend
 
 
 def chat(tok, q):

@@ -4,6 +4,7 @@ on a clean site and fails on a broken link, anchor or image planted in a noteboo
 or a Chromium is missing (`pip install -e ".[dev]"`, `tools/install_browser.sh`)."""
 import importlib.util, json, re, shutil, subprocess, sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_lesson_order import lesson_order  # noqa: E402
 
 NBS = ROOT / "nbs"
-LESSONS = ["16_advantages.ipynb", "17_loss.ipynb"]   # small lessons whose only links go to ALGORITHMS.md
+LESSONS = ["02_advantages.ipynb", "03_loss.ipynb"]   # small lessons whose only links go to ALGORITHMS.md
 
 
 def notebook(*markdown: str) -> dict:
@@ -36,7 +37,7 @@ def mini_repo(tmp_path: Path) -> Path:
     shutil.copy(ROOT / "ALGORITHMS.md", repo / "ALGORITHMS.md")
     for name in LESSONS: write(repo / "nbs" / name, json.loads((NBS / name).read_text()))
     shutil.copytree(ROOT / "configs", repo / "configs")
-    write(repo / "nbs" / "index.ipynb", notebook("# mini\n\nStart with [advantages](nbs/16_advantages.ipynb); "
+    write(repo / "nbs" / "index.ipynb", notebook("# mini\n\nStart with [advantages](nbs/02_advantages.ipynb); "
                                                  "the formulas: [ALGORITHMS.md](ALGORITHMS.md); the demo's "
                                                  "[config](configs/demo.yaml)."))
     return repo
@@ -76,6 +77,33 @@ def test_a_navigation_out_of_order_is_found():
     assert "missing ['nbs/02_b.html']" in site_check.order_problems(["index.html", "nbs/01_a.html"], expected)[0]
 
 
+def navigation(hooks) -> list:
+    "The site's navigation as `on_config` sets it: [(section, [page uri, ...]), ...] (Home and Reference included)."
+    config = hooks.on_config(SimpleNamespace(config_file_path=str(ROOT / "docs" / "mkdocs.yml"), nav=None))
+    return [(name, [u for item in items for u in item.values()] if isinstance(items, list) else [items])
+            for entry in config.nav for name, items in entry.items()]
+
+
+def test_the_navigation_groups_the_lessons_by_part():
+    "The lessons' sections are the parts, in the order of PARTS, then the tutorials; every lesson is in exactly one."
+    hooks = site_check.site_hooks(ROOT)
+    nav = navigation(hooks)
+    sections = [name for name, _ in nav if name not in ("Home", "Reference")]
+    assert sections == [name for _, name in hooks.PARTS] + ["Tutorials"], sections
+    placed = [u for name, uris in nav if name not in ("Home", "Reference") for u in uris]
+    assert placed == [p.relative_to(ROOT).as_posix() for p in lesson_order()]
+    assert dict(nav)["1. GRPO's core"] == [f"nbs/{n}.ipynb" for n in ("01_grpo_step", "02_advantages", "03_loss",
+                                                                     "04_logprobs")]
+
+
+def test_a_lesson_s_part_comes_from_its_number():
+    hooks = site_check.site_hooks(ROOT)
+    assert [hooks.part_of(s) for s in ("01_grpo_step", "04_logprobs", "09_safety", "19_one_step", "20a_diversity",
+                                       "50_reliability", "64_vllm", "index")] == [
+        "1. GRPO's core", "1. GRPO's core", "2. The parts of a step", "2. The parts of a step", "3. The methods",
+        "4. The trainer", "Appendix: speed and scale", "Lessons"]
+
+
 @pytest.mark.browser
 def test_a_clean_site_passes(tmp_path):
     r = site_sh(mini_repo(tmp_path))
@@ -88,14 +116,14 @@ def test_a_clean_site_passes(tmp_path):
 @pytest.mark.browser
 def test_a_broken_link_anchor_or_image_fails(tmp_path):
     repo = mini_repo(tmp_path)
-    path = repo / "nbs" / "17_loss.ipynb"
+    path = repo / "nbs" / "03_loss.ipynb"
     nb = json.loads(path.read_text())
-    nb["cells"].append(notebook("Next: [the missing lesson](18_missing.ipynb), [a heading](16_advantages.ipynb#nowhere)"
+    nb["cells"].append(notebook("Next: [the missing lesson](18_missing.ipynb), [a heading](02_advantages.ipynb#nowhere)"
                                 " and ![a figure](images/missing.png).")["cells"][0])
     write(path, nb)
     r = site_sh(repo)
     assert r.returncode == 1, r.stdout + r.stderr
-    for problem in ["broken link nbs/18_missing.ipynb", "broken anchor nbs/16_advantages.html#nowhere",
+    for problem in ["broken link nbs/18_missing.ipynb", "broken anchor nbs/02_advantages.html#nowhere",
                     "images/missing.png did not load", "FAILED, 3 problem(s)"]:
         assert problem in r.stdout, r.stdout
 

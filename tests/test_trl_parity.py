@@ -206,7 +206,7 @@ def test_trl_is_the_pinned_version():
 
 
 def test_trl_defaults_are_what_our_docs_say():
-    "12_config, 17_loss and ALGORITHMS.md name TRL's defaults where ours differ; this keeps them true."
+    "12_config, 03_loss and ALGORITHMS.md name TRL's defaults where ours differ; this keeps them true."
     a = TRLConfig(output_dir="unused", use_cpu=True)
     assert (a.loss_type, a.beta, a.use_bias_correction_kl, a.epsilon, a.epsilon_high) == ("dapo", 0.0, True, 0.2, None)
     assert (a.vllm_importance_sampling_mode, a.vllm_importance_sampling_clip_max) == ("sequence_mask", 3.0)

@@ -34,7 +34,7 @@ def test_cache_room_where_layers_have_no_is_initialized(tiny_model, tokenizer):
     "transformers 4.56's `DynamicLayer` has no `is_initialized` (its keys are None until the first token): room still."
     import torch
     from mmrgrpo.kvcache import reserve_cache
-    from mmrgrpo.sampling import output_cache
+    from mmrgrpo.logprobs import output_cache
     ids = torch.tensor([tokenizer("What is 2 + 2?").input_ids])
     cache = output_cache(tiny_model(input_ids=ids, use_cache=True))
     for layer in cache.layers: layer.__dict__.pop("is_initialized", None)   # as in 4.56 (there: never set)

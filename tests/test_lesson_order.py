@@ -238,10 +238,6 @@ def test_the_fast_track_is_checked():
 
 
 # Places of today's lessons that the fast-track check reports, each with who fixes it: cleared at the merge of issue 57
-KNOWN_FAST_TRACK = "README.md has no ### Fast track yet (the lead writes it, plan57 1.3 item 6)"
-
-
-@pytest.mark.xfail(strict=True, reason=KNOWN_FAST_TRACK)
 def test_the_fast_track_is_marked():
     "The README's fast track names lessons in order from 01_grpo_step; each lesson it skips says so at its top."
     track = fast_track((ROOT / "README.md").read_text())
@@ -308,13 +304,7 @@ def appendix_problems(cells: list, after_registry: bool) -> list:
 
 
 # Places on the main path that name an appendix feature today: notebook -> cells; each owner fixes and deletes its line
-KNOWN_APPENDIX = {
-    "12_config": "b12d255a, e93feb73, f1e2d3c0, ec528311 (G3)",
-    "13_models": "24e41731 (G3)",
-    "15_sampling": "afd7bdca, 74d13709, af961d5c, 5b1f0c2e (G3)",
-    "40a_distributed": "f5d2a7c1 (G3)",
-    "44_trainer": "outputs of dcac4ac2, e1a0c0d2 (G4)",
-}
+KNOWN_APPENDIX = {}     # notebook -> the cells still to move (strict xfail); empty: the main path is clean
 
 
 def _appendix_param(name: str):

@@ -248,7 +248,7 @@ def test_a_stale_precision_line_is_caught():
 
 
 # Notebooks whose stored precision lines the code can no longer print: name -> where, and who fixes it
-KNOWN_PRECISION = {"44_trainer": "cell dcac4ac2's tiny run (G4 re-runs it)"}
+KNOWN_PRECISION = {}    # notebook -> why a stored precision line is stale (strict xfail); empty: none is
 
 
 def _precision_param(path: Path):

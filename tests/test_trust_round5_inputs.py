@@ -92,7 +92,7 @@ def test_an_eval_task_copying_the_training_rows_is_refused(tmp_path, capsys, no_
 def test_an_empty_mmrgrpo_cache_is_unset(tmp_path, monkeypatch):
     from mmrgrpo.models import cache_dir
     monkeypatch.setenv("HOME", str(tmp_path)); monkeypatch.setenv("MMRGRPO_CACHE", "")
-    assert cache_dir() == tmp_path / ".cache" / "mmrgrpo"
+    assert cache_dir().parent == tmp_path / ".cache" / "mmrgrpo"     # a folder per transformers version below it
 
 
 def test_a_read_only_home_names_mmrgrpo_cache(tmp_path, monkeypatch, capsys, no_model):

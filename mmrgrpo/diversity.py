@@ -48,7 +48,7 @@ def diversity_credit(advantages: torch.Tensor,  # (B, G) GRPO advantages
     "Scale each above-mean advantage by 1 - β·m, rescaled to the same sum; the others as they are."
     A = advantages.float()
     pos = above_mean(A)
-    w = 1 - credit_beta(rewards, lam)[:, None] * positive_redundancy(A, similarity)   # (B, G) in [0.5, 1]
+    w = 1 - credit_beta(rewards, lam)[:, None] * positive_redundancy(A, similarity)   # (B, G) in [1 - β, 1]
     A_pos = torch.where(pos, A, 0.0)
     scale = A_pos.sum(1, keepdim=True) / (A_pos * w).sum(1, keepdim=True).clamp(min=1e-12)
     out = torch.where(pos, A * w * scale, A)

@@ -394,7 +394,7 @@ def fit_run_data(tokenizer, c: GRPOConfig, data: RunData) -> RunData:
 
 # %% ../nbs/44_trainer.ipynb #68b4e1a3
 def make_backend(c: GRPOConfig, model, tokenizer):
-    "The run's sampler: the first speed-up's that serves `c` here (`40b_speedups`), else transformers' `generate`."
+    "The run's sampler: the first speed-up's that serves `c` here (`40b_speedups`), else `HFBackend` on the policy."
     room = first_hook("cache_room")
     backend = first_answer("sampler", c, model, tokenizer, room)
     if backend is not None: return backend

@@ -30,8 +30,6 @@ NOT_OUTPUTS = {
     "config_reference": {"8.0": "the compute capability from which GPUs run bfloat16: a hardware threshold",
                          "0.2": "top_entropy_quantile: 0.2 and keep_ratio: 0.2, settings the prose spells out"},
     "config": {"1.16": "the version of TRL whose defaults the prose compares with ours: a version number"},
-    "step": {"2.0": "the config's importance-weight cap with vLLM: a setting",
-             "8.0": "the compute capability below which GPUs autocast in float16: a hardware threshold"},
 }
 # Markdown cells that quote a measurement made elsewhere, which they name (a bench/ results file or BENCHMARKS*.md):
 # (lesson, cell id) -> why

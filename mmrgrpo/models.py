@@ -172,6 +172,7 @@ def cpu_flags() -> frozenset:
     line = next((l for l in text.splitlines() if l.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
 
+# %% ../nbs/13_models.ipynb #f1c13008
 @dataclass(frozen=True)
 class CPUSupport:
     "What this CPU runs fast, as torch reports it: the one source for every CPU fast path."
@@ -195,6 +196,7 @@ def native_cpu_support() -> CPUSupport:
     units = [n for n, on in (("avx512_bf16", bf16 and not amx), ("amx", amx)) if on]
     return CPUSupport(bf16, amx, onednn, f"CPU with {', '.join(units)}" if units else "CPU without avx512_bf16/amx")
 
+# %% ../nbs/13_models.ipynb #f1c13010
 AVX2_CPU = CPUSupport(False, False, False, f"CPU treated as one without AVX-512 or bf16 units ({EMULATED_CPU}=avx2)")
 
 @functools.lru_cache(maxsize=1)        # asked once: the CPU does not change, and MMRGRPO_CPU is read at the first call
@@ -238,6 +240,7 @@ def half_dtype(device="cpu") -> Optional[torch.dtype]:
     if d.type == "cpu": return torch.bfloat16 if cpu_support().bf16 else None
     return None
 
+# %% ../nbs/13_models.ipynb #f1c13012
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "off"
 
@@ -271,6 +274,7 @@ def choose_dtype(device="cpu", dtype: str = "auto", autocast="auto", frozen_base
     else: ac = torch.bfloat16 if autocast else None
     return Precision(weights, ac, _hardware(device))
 
+# %% ../nbs/13_models.ipynb #f1c13014
 def check_trained_dtype(c: GRPOConfig):
     "Refuse training the weights themselves in 16 bits (`lora=false`, a 16-bit `dtype`): a one-line `ConfigError`."
     if c.lora or c.dtype not in ("float16", "bfloat16"): return

@@ -17,7 +17,7 @@ import signal, subprocess, sys, threading, time
 from multiprocessing.connection import Connection, Pipe, wait
 from math_verify import parse, verify
 from .safety import (NamedFunctionProcess, STARTUP_TIMEOUT_S, call_with_timeout, clip_text as _clip,
-                            exit_with_parent, in_this_process, short_repr)
+                            exit_with_parent, in_this_process, short_repr, slip_of)
 
 # %% ../nbs/10_rewards.ipynb #a4909075
 for _logger_name in ("math_verify.parser", "math_verify.grader"):   # we turn its timeouts off on purpose (see below)
@@ -476,7 +476,8 @@ def _load_reward_func(name: str):
     module, colon, attr = name.partition(":")
     if not (colon and module and attr):
         builtin = ", ".join(map(repr, BUILTIN_REWARDS))
-        raise ValueError(f"unknown reward function {name!r}: use {builtin} or 'package.module:function'")
+        slip = f" (did you mean {near!r}?)" if (near := slip_of(name, BUILTIN_REWARDS)) else ""
+        raise ValueError(f"unknown reward function {name!r}{slip}: use {builtin} or 'package.module:function'")
     mod = _import_within(module, name)
     if not hasattr(mod, attr):
         raise ValueError(f"cannot load reward function {name!r}: module {module!r} has no attribute {attr!r}")

@@ -408,7 +408,9 @@ def test_builtin_rewards_bound_their_own_time():
 def test_get_reward_funcs():
     assert get_reward_funcs(["accuracy", "format", "cosine"]) == [accuracy_reward, format_reward, cosine_reward]
     assert get_reward_funcs(["test_rewards:half_none"])[0] is half_none
-    with pytest.raises(ValueError, match="unknown reward function 'acuracy'"): get_reward_funcs(["acuracy"])
+    with pytest.raises(ValueError, match=r"unknown reward function 'acuracy' \(did you mean 'accuracy'\?\)"):
+        get_reward_funcs(["acuracy"])
+    with pytest.raises(ValueError, match=r"function 'score': use 'accuracy'"): get_reward_funcs(["score"])  # no slip
     with pytest.raises(ValueError, match="cannot load reward function"): get_reward_funcs(["no_such_module_xyz:f"])
     with pytest.raises(ValueError, match="cannot load reward function"): get_reward_funcs(["math:nope"])
     with pytest.raises(ValueError, match="not a function"): get_reward_funcs(["math:pi"])

@@ -79,7 +79,8 @@ class GRPOConfig:
     max_completion_length: int = _f(32, "new tokens sampled per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
-    generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers generate) or 'vllm' (GPU, optional extra)")
+    generation_backend: Literal["hf", "vllm"] = _f("hf", "'hf' (transformers models, the package's own decode loop) or "
+                                                         "'vllm' (GPU, optional extra)")
     sampler_dtype: Literal["auto", "policy", "float32", "bfloat16", "float16"] = _f(
         "auto", "hf backend: sample from a merged copy of the policy in this dtype; 'auto': bf16 where fast, else "
         "fp32; 'policy': none")
@@ -142,7 +143,7 @@ class GRPOConfig:
     on_reward_none: Literal["exclude", "zero"] = _f(
         "exclude", "a completion every reward function scores None: 'exclude' (TRL: out of its group's mean and std, "
         "advantage 0) or 'zero' (reward 0)")
-    # --- the three accelerations
+    # --- the three methods: MMR credit (or DRA), completion pruning, token selection
     mmr: bool = _f(False, "MMR-GRPO: credit for diverse completions before the update (shorthand for reweight=mmr)")
     reweight: Literal["none", "mmr", "dra"] = _f("none", "reweight rewards by similarity before advantages: 'mmr' "
                                                          "(MMR-GRPO), 'dra' (the DRA-GRPO baseline) or 'none'")

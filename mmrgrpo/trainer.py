@@ -207,7 +207,7 @@ def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
     state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if skipped_update else 0
     eval_due = c.eval_every and run.data.eval_prompts and done % c.eval_every == 0 and done < c.steps
     if eval_due: metrics.update(run.evaluate_now())
-    if done == 1: metrics.update(run.first_metrics)       # the run's dtypes, once: precision/weights, .../autocast
+    if done == 1: metrics.update(run.first_metrics)       # the run's dtypes and sampler, once: precision/*
     run.logger.log(metrics, done)
     if run.rank == 0: report_step(c, bar, done, metrics, result)
     if state["nonfinite_in_a_row"] >= c.max_nonfinite_steps:

@@ -401,6 +401,9 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
     need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with "
          "load_in_4bit=true: a 4-bit base cannot be copied with its adapter folded in; "
          "use sampler_dtype=auto or policy")
+    need(not (c.load_in_4bit and c.model == "tiny-random"), "load_in_4bit=true with model='tiny-random': the tiny "
+         "random model is built in float32 in code and never quantized; set load_in_4bit=false, or name a saved model "
+         "to load in 4 bits")
     need(not (c.generation_backend == "vllm" and c.lora and c.lora_r > 512), f"lora_r={c.lora_r} with "
          "generation_backend=vllm: vLLM serves LoRA ranks up to 512; use lora_r <= 512, or generation_backend=hf")
     fsdp = c.sharding == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")

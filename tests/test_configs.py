@@ -109,3 +109,10 @@ def test_mmrgrpo_train_runs_a_config_written_with_trls_names(tmp_path):
     assert "epsilon" not in saved and load_config(out / "config.yaml").eps_low == 0.15     # it reads back
     step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][0]
     assert "tokens/kept_fraction" in step and "is/ratio_mean" in step   # the entropy selector and the correction ran
+
+
+def test_tiny_random_in_4_bits_is_refused():
+    "The tiny random model is built in float32 in code: load_in_4bit would leave it unquantized (and off the GPU)."
+    with pytest.raises(ConfigError, match=r"load_in_4bit=true with model='tiny-random'.*set load_in_4bit=false"):
+        load_config(model="tiny-random", load_in_4bit=True)
+    load_config(model="tiny-random", load_in_4bit=False)

@@ -178,6 +178,7 @@ class MetricsLogger:
         self.f.close()
         if "tensorboard" in self.sinks: self.sinks["tensorboard"].close()
         if "wandb" in self.sinks: self.sinks["wandb"].finish()
+        if "trackio" in self.sinks: self.sinks["trackio"].finish()
 
 # %% ../nbs/40_runlog.ipynb #c131c6d4
 def read_metrics(path) -> list:

@@ -372,6 +372,21 @@ def test_nonfinite_metrics_are_written_as_null(tmp_path):
         assert plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "curve.png").exists()
 
 
+def test_close_finishes_the_trackio_run(tmp_path, monkeypatch):
+    "A stand-in trackio records its calls: the logger's close ends the trackio run, as it ends wandb's."
+    import types
+    calls = []
+    trackio = types.ModuleType("trackio")
+    trackio.init = lambda **kw: calls.append("init")
+    trackio.log = lambda metrics, step=None: calls.append(("log", step))
+    trackio.finish = lambda: calls.append("finish")
+    monkeypatch.setitem(sys.modules, "trackio", trackio)
+    log = MetricsLogger(tmp_path, ("jsonl", "trackio"))
+    log.log({"reward": 0.5}, 1)
+    log.close()
+    assert calls == ["init", ("log", 1), "finish"], calls
+
+
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path

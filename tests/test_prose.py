@@ -259,3 +259,25 @@ def _precision_param(path: Path):
 def test_stored_precision_lines_are_ones_the_code_prints(path):
     text = "\n".join(output_text(c) for c in load(path)["cells"] if c["cell_type"] == "code")
     assert precision_problems(text, printable_hardware()) == []
+
+
+def broken_source_links(nb: dict) -> list:
+    "Ids of code cells whose stored outputs (any format) hold a show_doc source link with no line (`#LNone`)."
+    def texts(o): return [o.get("text", "")] + list(o.get("data", {}).values())
+    flat = lambda t: "".join(t) if isinstance(t, list) else str(t)
+    return [c.get("id") for c in nb["cells"] if c["cell_type"] == "code"
+            and any("#LNone" in flat(t) for o in c.get("outputs", []) for t in texts(o))]
+
+
+def test_a_source_link_with_no_line_is_caught():
+    link = "[source](https://github.com/mmrgrpo/mmrgrpo/blob/main/mmrgrpo/safety.py#LNone)"
+    cell = lambda i, md: {"cell_type": "code", "id": i, "outputs": [{"output_type": "execute_result",
+                                                                     "data": {"text/markdown": md}}]}
+    cells = [cell("a", [link]), cell("b", "no link"), cell("c", link[:-5] + "L12)")]
+    assert broken_source_links({"cells": cells}) == ["a"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_stored_show_doc_link_lacks_its_line(path):
+    "nbdev 3.3.26 links `#LNone` where it looks a line up by the full name: there, show_doc with MarkdownRenderer."
+    assert broken_source_links(load(path)) == [], f"{path.name}: show_doc(f, renderer=MarkdownRenderer) in these cells"

@@ -136,7 +136,8 @@ class GRPOConfig:
     # --- rewards
     reward_funcs: list = _f(["accuracy", "format"], "reward functions: 'accuracy', 'format', 'cosine', or "
                                                     "'package.module:function' (imported, so its code runs)")
-    reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1)")
+    reward_weights: Optional[list] = _f([1.0, 0.2], "weight of each reward function (None: all 1); left out of a "
+                                                    "config that names other reward_funcs: all 1")
     reward_timeout: float = _f(2.0, "seconds allowed to verify one completion; slower ones score 0 and are counted")
     on_reward_error: Literal["raise", "zero"] = _f(
         "raise", "a reward function that raises or returns NaN/wrong length: stop, or score 0 and count")
@@ -395,7 +396,7 @@ def _check_engines(c: GRPOConfig, world_size: int, need):
          "whose log-probs are recorded")
     need(c.reward_weights is None or len(c.reward_weights) == len(c.reward_funcs),
          f"reward_weights has {len(c.reward_weights or [])} entries for {len(c.reward_funcs)} reward_funcs: "
-         "give one weight each")
+         "give one weight each, or reward_weights=null for all 1")
     need(not (c.load_in_4bit and not c.lora),
          "load_in_4bit=true (QLoRA) needs lora=true: 4-bit base weights cannot be trained directly")
     need(not (c.load_in_4bit and c.sampler_dtype not in ("auto", "policy")), f"sampler_dtype={c.sampler_dtype} with "
@@ -552,6 +553,8 @@ def config_from_dict(d: dict, source: str = "config") -> GRPOConfig:
         near = {k: slip_of(str(k), names, cutoff=0.6) for k in unknown}
         raise ConfigError(f"{source}: unknown key(s) " + ", ".join(f"{k!r}" + (f" (did you mean {h!r}?)" if h else "")
                                                                  for k, h in near.items()))
+    if "reward_funcs" in d and "reward_weights" not in d and d["reward_funcs"] != GRPOConfig().reward_funcs:
+        d = {**d, "reward_weights": None}        # the default weights belong to the default functions: all 1
     vals = {k: _check_type(k, v, hints[k]) for k, v in d.items()}
     return check_config(GRPOConfig(**vals))
 

@@ -7,8 +7,8 @@ own process. Each round times greedy sampling of `--tokens` tokens for 4 arithme
 with one busy-looping process per core beside it (what a shared CI machine or a second job looks like), arms
 interleaved. `tools/colab_sim.sh` and `tools/lowest_versions.sh` set PASSIVE because of this measurement.
 
-    python bench/omp_wait.py                  # ~5-15 min on 2 cores (the spinning arm beside neighbours is the slow one)
-    python bench/omp_wait.py --quick          # 2 tokens, 1 round
+    python bench/omp_wait.py               # ~5-15 min on 2 cores (the spinning arm beside neighbours is the slow one)
+    python bench/omp_wait.py --quick       # 2 tokens, 1 round
 """
 import argparse, json, multiprocessing, os, subprocess, sys, time
 from pathlib import Path

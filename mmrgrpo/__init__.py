@@ -9,9 +9,9 @@ import importlib as _importlib
 import logging as _logging
 
 # peft and sentence-transformers import bitsandbytes, which on CPUs with AVX512-BF16 logs that it could not fetch an
-# optional kernel from the hub ("pip install kernels"); with `kernels` installed and the hub offline, `kernels` also logs
-# that it skips the kernel's publisher check. Nothing a user can act on (the kernel is downloaded at run time, and runs
-# are offline), so those two messages are dropped, before any of our modules can import them.
+# optional kernel from the hub ("pip install kernels"); with `kernels` installed and the hub offline, `kernels` also
+# logs that it skips the kernel's publisher check. Nothing a user can act on (the kernel is downloaded at run time, and
+# runs are offline), so those two messages are dropped, before any of our modules can import them.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward"))
 _logging.getLogger("kernels._internals.hf_hub").addFilter(

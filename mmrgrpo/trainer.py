@@ -97,6 +97,7 @@ def process_memory(device, metrics: dict) -> dict:
     # the kernel's count can lag the sampler's by a page
     return {"memory/process_peak": max(host, metrics.get("memory/peak", 0.0))}
 
+# %% ../nbs/44_trainer.ipynb #6567b4e5
 def completions_table(rollout: Rollout, rewards, advantages, n: int = 4, width: int = 70) -> str:
     "A plain-text table of the first `n` completions of a step: reward, advantage, text."
     lines = [f"{'reward':>7} {'adv':>7}  completion"]
@@ -106,6 +107,7 @@ def completions_table(rollout: Rollout, rewards, advantages, n: int = 4, width: 
         lines.append(f"{float(rewards[i]):7.2f} {float(advantages[i]):7.2f}  {shown}")
     return "\n".join(lines)
 
+# %% ../nbs/44_trainer.ipynb #259a713f
 @dataclass
 class TrainResult:
     "What `train` returns."
@@ -118,6 +120,7 @@ class TrainResult:
     backend: object = None   # the generation backend (e.g. to measure a vLLM engine's log-prob gap after training)
     best: dict = None        # save_best: {'step', 'eval/accuracy'} of the run's best-checkpoint
 
+# %% ../nbs/44_trainer.ipynb #5429316d
 def run_eval(backend, eval_prompts, eval_answers, c, tokenizer, progress: bool = False):
     "Held-out evaluation with the config's lengths, samples and sampling settings, and its peak memory (memory/eval)."
     model = getattr(backend, "model", None)           # the policy's device: on CUDA the GPU's memory is measured
@@ -154,6 +157,7 @@ def save_after_step(c: GRPOConfig, tools: StepTools, out: Path, done: int, state
               "holds the weights that step began with", file=sys.stderr)
     save_checkpoint(out, done, tools.model, tools.optimizer, tools.scheduler, c, state, final=final)
 
+# %% ../nbs/44_trainer.ipynb #c62b2794
 def save_last_step(c: GRPOConfig, tools: StepTools, out: Path, step: int, state: dict, rng: dict) -> Path:
     "Save completed step `step` with the RNG states `rng` it ended with, unless saved already: its checkpoint, or None."
     ck = out / f"checkpoint-{step}"
@@ -166,6 +170,7 @@ def abandon_step(stop: StopSignals, c: GRPOConfig, tools: StepTools, out: Path, 
     "After a stop signal abandoned step `step + 1`, save step `step` and return the exception that ends the run."
     return stop.abandoned(step + 1, save_last_step(c, tools, out, step, state, rng))
 
+# %% ../nbs/44_trainer.ipynb #e41b868a
 def weights_version(model) -> int:
     "A count that grows whenever a trainable weight changes in place (an optimizer step): torch's version counters."
     return sum(p._version for p in model.parameters() if p.requires_grad)
@@ -194,11 +199,13 @@ class Run:
     first_metrics: dict              # logged once, in step 1's row: the run's dtypes and sampler
     best_lost: dict = None           # save_best: a better evaluation whose best-checkpoint could not be written
 
+# %% ../nbs/44_trainer.ipynb #a08aa43f
 def eval_line(when: str, metrics: dict) -> str:
     "An evaluation's float metrics on one line."
     shown = {k: v for k, v in metrics.items() if isinstance(v, float) and k.startswith("eval/")}
     return f"{when}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items())
 
+# %% ../nbs/44_trainer.ipynb #cb68a093
 def log_step(run: Run, done: int, result: StepResult, bar) -> tuple:
     "Count a skipped update, evaluate when due, log and report step `done`: (metrics, skipped_update)."
     c, state = run.c, run.state
@@ -341,6 +348,7 @@ class RunData:
     eval_prompts: list = None
     eval_answers: list = None
 
+# %% ../nbs/44_trainer.ipynb #eaf92615
 def load_run_data(c: GRPOConfig) -> RunData:
     "Training and held-out tasks as the config says (a file with no `eval_task`: a seeded split of its rows held out)."
     if c.eval_size and same_file(c.task, c.eval_task):
@@ -358,7 +366,6 @@ def load_run_data(c: GRPOConfig) -> RunData:
         check_held_out(c, train_tasks, eval_tasks)
     else: eval_tasks, eval_skipped = [], 0
     return RunData(train_tasks, eval_tasks, eval_source(c), skipped, eval_skipped)
-
 
 # %% ../nbs/44_trainer.ipynb #9ebc2439
 def check_held_out(c: GRPOConfig, train_tasks, eval_tasks: list):
@@ -404,6 +411,7 @@ def make_backend(c: GRPOConfig, model, tokenizer):
     return HFBackend(model, tokenizer, max_prompt_length=c.max_prompt_length, share_prompt=c.share_prompt,
                      cache_room=room)
 
+# %% ../nbs/44_trainer.ipynb #e8bd4286
 def build_step_tools(c: GRPOConfig, model, tokenizer) -> StepTools:
     "The sampler, reward functions, reference model, embedder, optimizer and learning-rate schedule of a run."
     backend = make_backend(c, model, tokenizer)
@@ -487,6 +495,7 @@ def resume(checkpoint, tools: StepTools, world: int, rank: int) -> tuple:
     if rank == 0: print(f"Resuming from {checkpoint} (step {state['step']})")
     return state["step"], state
 
+# %% ../nbs/44_trainer.ipynb #4b02676e
 def memory_note(metrics: dict) -> str:
     "The step line's memory: the host's peak (and its process's), or on CUDA the GPU's allocated and reserved peaks."
     gb = lambda k: f"{metrics[k] / 1024:.1f}GB"
@@ -496,6 +505,7 @@ def memory_note(metrics: dict) -> str:
     return ((f" peak_mem={gb('memory/peak')}" if "memory/peak" in metrics else "")
             + (f" (process {gb('memory/process_peak')})" if "memory/process_peak" in metrics else ""))
 
+# %% ../nbs/44_trainer.ipynb #40f4a80d
 def report_step(c: GRPOConfig, bar, done: int, metrics: dict, result: StepResult):
     "The progress bar's numbers, a plain log line and, now and then, a completions table."
     bar.set_postfix(reward=f"{metrics['reward']:.2f}", kl=f"{metrics['kl']:.3f}")
@@ -519,6 +529,7 @@ def step_seed(seed: int, step: int) -> int:
     "The sampling seed of a step: a function of (seed, step) only, so resumed runs sample what uninterrupted ones did."
     return (seed * 1_000_003 + step * 7_919) % (2**31)
 
+# %% ../nbs/44_trainer.ipynb #9f846919
 def fit_prompts(tokenizer, c: GRPOConfig, tasks, task: str, split: str = "train") -> tuple:
     "(the tasks whose prompts fit in `max_prompt_length` tokens, how many were dropped); a longer one is a DataError."
     if isinstance(tasks, list) and not tasks: return tasks, 0
@@ -552,6 +563,7 @@ def check_stream_prompts(tokenizer, c: GRPOConfig, stream: ArithmeticStream, tas
         raise DataError(f"{name}: its prompts take up to {longest} tokens, more than max_prompt_length="
                         f"{c.max_prompt_length}: raise max_prompt_length, shorten system_prompt or lower num_shots")
 
+# %% ../nbs/44_trainer.ipynb #f656fa75
 def longest_prompt(tokenizer, c: GRPOConfig, data: RunData, n: int = 32) -> int:
     "Tokens in the longest training prompt, for the memory estimate (0: unknown)."
     if isinstance(data.train_tasks, list) and data.train_tasks:
@@ -561,7 +573,7 @@ def longest_prompt(tokenizer, c: GRPOConfig, data: RunData, n: int = 32) -> int:
     if not prompts: return 0
     return max((len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]), default=0)
 
-
+# %% ../nbs/44_trainer.ipynb #e3ca1fc9
 def short_questions(c: GRPOConfig, tasks: list, name: str) -> list:
     "The tasks whose question is short enough, by its characters, for a prompt of `max_prompt_length` tokens."
     most = MAX_CHARS_PER_TOKEN * c.max_prompt_length

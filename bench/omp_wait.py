@@ -3,9 +3,9 @@ preview: SmolLM2 in NF4 through bitsandbytes' CPU layers).
 
 Two arms, each a worker process that loads the model once: OpenMP's default waits (threads spin a while before they
 sleep) and `OMP_WAIT_POLICY=PASSIVE` (they sleep at once); the policy is read when OpenMP starts, so each arm has its
-own process. Each round times greedy sampling of `--tokens` tokens for 4 arithmetic prompts in both arms, alone and
-with one busy-looping process per core beside it (what a shared CI machine or a second job looks like), arms
-interleaved. `tools/colab_sim.sh` and `tools/lowest_versions.sh` set PASSIVE because of this measurement.
+own process. Each round times greedy sampling of `--tokens` tokens for 4 arithmetic prompts in both arms: alone,
+beside one pure-Python busy loop per core, and beside a process of torch matmuls on all cores (another training job or
+a test suite on a shared machine); arms and neighbours interleaved. `tools/colab_sim.sh` and `tools/lowest_versions.sh` set PASSIVE because of this measurement.
 
     python bench/omp_wait.py               # ~5-15 min on 2 cores (the spinning arm beside neighbours is the slow one)
     python bench/omp_wait.py --quick       # 2 tokens, 1 round
@@ -67,11 +67,25 @@ def _spin():
     while True: pass
 
 
-def timed(worker, busy: int) -> float:
-    "One timed sampling with `busy` spinning neighbour processes running beside it."
-    hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(busy)]
+def _matmuls():
+    import torch
+    a = torch.randn(512, 512)
+    while True: a = torch.tanh(a @ a)
+
+
+NEIGHBOURS = {"alone": (None, 0), "spinning": (_spin, None), "torch": (_matmuls, 1)}
+
+
+def timed(worker, neighbour: str) -> float:
+    """One timed sampling beside `neighbour`: nothing, one pure-Python spinning process per core, or one process of
+    torch matmuls on all cores (another training job, a test suite)."""
+    target, count = NEIGHBOURS[neighbour]
+    hogs = [multiprocessing.Process(target=target, daemon=True) for _ in range(count or os.cpu_count() or 1)] \
+        if target else []
     for h in hogs: h.start()
-    try: return worker.time()
+    try:
+        if hogs: time.sleep(2)                               # the neighbours are running (torch's imported)
+        return worker.time()
     finally:
         for h in hogs: h.terminate(); h.join()
 
@@ -84,23 +98,25 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.serve is not None: return serve(args.serve)
     tokens, repeats = (2, 1) if args.quick else (args.tokens, args.repeats)
-    busy = os.cpu_count() or 1
+    conds = list(NEIGHBOURS)
     meta = bl.start_meta()
     workers = {arm: Worker(policy, tokens) for arm, policy in ARMS.items()}
-    times = {(arm, cond): [] for arm in ARMS for cond in ("alone", "busy")}
+    times = {(arm, cond): [] for arm in ARMS for cond in conds}
     for r, arm in bl.interleaved(list(ARMS), repeats):
-        for cond in ("alone", "busy") if r % 2 == 0 else ("busy", "alone"):
-            s = timed(workers[arm], busy if cond == "busy" else 0)
+        for cond in conds if r % 2 == 0 else conds[::-1]:
+            s = timed(workers[arm], cond)
             times[arm, cond].append(s)
-            print(f"round {r}: {arm:8s} {cond:6s} {s:8.2f} s", flush=True)
+            print(f"round {r}: {arm:8s} {cond:8s} {s:8.2f} s", flush=True)
     for w in workers.values(): w.close()
     rows = [[arm, cond, bl.median(v), len(v)] for (arm, cond), v in times.items()]
     col = f"median s ({tokens} tokens, 4 prompts)"
-    print(bl.table(rows, ["OpenMP waits", "beside", col, "n"], {col: ".2f"}))
-    ratio = {cond: bl.median(times["default", cond]) / bl.median(times["passive", cond]) for cond in ("alone", "busy")}
-    print(f"default / passive: alone {ratio['alone']:.2f}x, beside {busy} busy processes {ratio['busy']:.2f}x")
+    print(bl.table(rows, ["OpenMP waits", "neighbour", col, "n"], {col: ".2f"}))
+    ratio = {cond: bl.median(times["default", cond]) / bl.median(times["passive", cond]) for cond in conds}
+    print("default / passive: " + ", ".join(f"{c} {r:.2f}x" for c, r in ratio.items()))
     out = bl.write_json(Path(args.out) if args.out else bl.result_path("omp_wait", args.quick), {
-        "meta": bl.finish_meta(meta), "tokens": tokens, "prompts": 4, "busy_processes": busy,
+        "meta": bl.finish_meta(meta), "tokens": tokens, "prompts": 4, "cores": os.cpu_count(),
+        "neighbours": {"alone": "none", "spinning": "one pure-Python busy loop per core",
+                       "torch": "one process of 512x512 fp32 matmuls on all cores"},
         "workers": {a: w.ready for a, w in workers.items()},
         "seconds": {f"{a}/{c}": v for (a, c), v in times.items()}, "default_over_passive": ratio})
     print(f"wrote {out}")

@@ -5,9 +5,10 @@ Two arms, each a worker process that loads the model once: OpenMP's default wait
 sleep) and `OMP_WAIT_POLICY=PASSIVE` (they sleep at once); the policy is read when OpenMP starts, so each arm has its
 own process. Each round times greedy sampling of `--tokens` tokens for 4 arithmetic prompts in both arms: alone,
 beside one pure-Python busy loop per core, and beside a process of torch matmuls on all cores (another training job or
-a test suite on a shared machine); arms and neighbours interleaved. `tools/colab_sim.sh` and `tools/lowest_versions.sh` set PASSIVE because of this measurement.
+a test suite on a shared machine); arms and neighbours interleaved. `tools/colab_sim.sh` and
+`tools/lowest_versions.sh` set PASSIVE because of this measurement (BENCHMARKS_HISTORY.md section 10).
 
-    python bench/omp_wait.py               # ~5-15 min on 2 cores (the spinning arm beside neighbours is the slow one)
+    python bench/omp_wait.py --repeats 3   # ~2.5 min on 2 cores
     python bench/omp_wait.py --quick       # 2 tokens, 1 round
 """
 import argparse, json, multiprocessing, os, subprocess, sys, time

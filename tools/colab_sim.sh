@@ -7,8 +7,8 @@
 # is here. Any error fails the script. The environment lives in a temporary folder, removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The 4-bit CPU preview waits on OpenMP threads: on a busy machine spinning waits made 8 tokens take 140 s instead
-# of 4 s (same machine, same minute); sleeping waits keep the step robust to whatever else runs beside it.
+# The 4-bit CPU preview waits on OpenMP threads: beside other work, spinning waits make its sampling 2-3x slower
+# (BENCHMARKS_HISTORY.md section 10, bench/omp_wait.py); sleeping waits keep the step robust to what runs beside it.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 ROOT=$PWD
 PY=${PYTHON:-python}

@@ -50,7 +50,7 @@ class StepTools:
     backend: object                  # samples completions: `HFBackend` or `VLLMBackend`
     reward_funcs: list
     ref_model: object = None         # full fine-tuning with beta > 0: a frozen copy (LoRA turns its adapter off)
-    embedder: object = None          # the sentence-transformers model MMR/DRA reweighting embeds with
+    embedder: object = None          # sentence-transformers model: reweight=mmr (either mmr_variant) or dra
     should_stop: object = None       # a function: True once a stop signal has waited too long (the step is abandoned)
     after_step: list = field(default_factory=list)     # the speed-ups' functions to call after each step (metrics)
 
@@ -518,7 +518,7 @@ def report_step(c: GRPOConfig, bar, done: int, metrics: dict, result: StepResult
 
 # %% ../nbs/44_trainer.ipynb #434bb7ae
 def eval_source(c: GRPOConfig) -> str:
-    "The held-out task source: `eval_task`, else `task`'s own (its test split; arithmetic uses a disjoint seed)."
+    "The held-out task source: `eval_task`, else `task` (its test split; a file has none: a seeded split of its rows)."
     return c.eval_task or c.task
 
 def build_prompt(tokenizer, c: GRPOConfig, question: str, task: str) -> str:

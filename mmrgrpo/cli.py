@@ -177,7 +177,7 @@ def evaluate_command(c: GRPOConfig, checkpoint=None) -> int:
     backend = HFBackend(model, tok, c.max_prompt_length, cache_room=first_hook("cache_room"))
     prompts = [build_prompt(tok, c, t["question"], src) for t in tasks]
     metrics = run_eval(backend, prompts, [t["answer"] for t in tasks], c, tok, progress=True)
-    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+    shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()
              if k != "eval/correct"}                                  # per-task lists: for files
     print(json.dumps(shown, indent=1))
     return 0
